@@ -1,0 +1,198 @@
+"""Recipes: typed dataclasses, one source of defaults, validated in one place.
+
+A recipe is a YAML file whose keys are the fields of ``RecipeConfig``; ``objectives`` is a
+list of objective configs, each a mapping with a ``type`` naming a registered objective (the
+dataclass registered for it lists its keys). ``load_recipe`` collects every problem (unknown
+keys, wrong types, missing fields) and raises one ``FisherSelectError`` naming file and key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .errors import FisherSelectError
+from .models import EMBEDDED_DEFAULT
+from .sampling import SamplingConfig
+
+
+@dataclass
+class RecipeConfig:
+    """Everything one calibration run needs; CLI flags override these fields."""
+
+    objectives: list  # objective configs (dataclass instances after validation)
+    prompts: str  # JSONL, relative to the recipe file
+    description: str = ""
+    model: str = EMBEDDED_DEFAULT
+    num_prompts: int | None = None
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 64
+    seed: int = 0
+    batch_size: int = 8
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantization: str | None = None  # None, "nf4", "fp4" or "int8" (bitsandbytes)
+    sampling: dict = field(default_factory=dict)
+    mix: dict | None = None  # objective name -> weight c_o, for the mixed bound
+
+
+# type name -> (config dataclass, builder(config, recipe_dir) -> Objective)
+OBJECTIVE_TYPES: dict[str, tuple[type, Callable]] = {}
+
+
+def register_objective(type_name: str, config_cls: type, builder: Callable) -> None:
+    OBJECTIVE_TYPES[type_name] = (config_cls, builder)
+
+
+def _type_ok(value: Any, annotation) -> bool:
+    """A small runtime check of the annotations used in config dataclasses."""
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if origin is not None:
+        annotation = origin
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _type_name(annotation) -> str:
+    return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def build_dataclass(cls: type, data: Any, where: str, errors: list[str]):
+    """Validate ``data`` against ``cls``'s fields; append problems to ``errors``; return an instance or None."""
+    if not isinstance(data, dict):
+        errors.append(f"{where}: expected a mapping, got {type(data).__name__}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    ok = True
+    for key in data:
+        if key not in fields:
+            errors.append(f"{where}: unknown key {key!r} (allowed: {', '.join(sorted(fields))})")
+            ok = False
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in data:
+            if required:
+                errors.append(f"{where}: missing required key {name!r}")
+                ok = False
+            continue
+        if not _type_ok(data[name], hints[name]):
+            errors.append(f"{where}.{name}: expected {_type_name(hints[name])}, got {data[name]!r}")
+            ok = False
+    return cls(**data) if ok else None
+
+
+def parse_recipe(data: Any, source: str, base_dir: Path | None = None) -> RecipeConfig:
+    """Validate a recipe mapping; one error listing every problem."""
+    from . import objectives  # noqa: F401  (registers the objective types)
+
+    errors: list[str] = []
+    objectives = []
+    if isinstance(data, dict):
+        data = dict(data)
+        if "objective" in data:  # a single objective may be given without the list
+            if "objectives" in data:
+                errors.append(f"{source}: give either 'objective' or 'objectives', not both")
+            data["objectives"] = [data.pop("objective")]
+        objectives = _parse_objectives(data.get("objectives"), source, errors)
+    recipe = build_dataclass(RecipeConfig, data, source, errors)
+    if recipe is not None:
+        recipe.objectives = objectives
+        _check_values(recipe, source, errors)
+        if base_dir is not None and not Path(recipe.prompts).is_absolute():
+            recipe.prompts = str((base_dir / recipe.prompts).resolve())
+    if errors:
+        raise FisherSelectError(f"invalid recipe {source}: " + "; ".join(errors))
+    return recipe
+
+
+def _parse_objectives(items, source: str, errors: list[str]) -> list:
+    if items is None:
+        return []  # reported as a missing key
+    if not isinstance(items, list) or not items:
+        errors.append(f"{source}.objectives: expected a non-empty list of objective mappings")
+        return []
+    out = []
+    for i, item in enumerate(items):
+        where = f"{source}.objectives[{i}]"
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind not in OBJECTIVE_TYPES:
+            errors.append(f"{where}.type: expected one of {sorted(OBJECTIVE_TYPES)}, got {kind!r}")
+            continue
+        cfg = build_dataclass(OBJECTIVE_TYPES[kind][0], {k: v for k, v in item.items() if k != "type"}, where, errors)
+        if cfg is not None:
+            check = getattr(cfg, "problems", None)
+            errors.extend(f"{where}: {p}" for p in (check() if check else []))
+            out.append(cfg)
+    return out
+
+
+def _check_values(r: RecipeConfig, source: str, errors: list[str]) -> None:
+    """Value checks the types cannot express."""
+    for name in ("samples_per_prompt", "max_new_tokens", "batch_size"):
+        if getattr(r, name) < 1:
+            errors.append(f"{source}.{name}: must be at least 1, got {getattr(r, name)}")
+    if r.num_prompts is not None and r.num_prompts < 1:
+        errors.append(f"{source}.num_prompts: must be at least 1, got {r.num_prompts}")
+    if r.dtype not in ("float32", "bfloat16", "float16", "auto"):
+        errors.append(f"{source}.dtype: expected float32, bfloat16, float16 or auto, got {r.dtype!r}")
+    if r.quantization not in (None, "nf4", "fp4", "int8"):
+        errors.append(f"{source}.quantization: expected nf4, fp4 or int8, got {r.quantization!r}")
+    sampling = build_dataclass(SamplingConfig, r.sampling, f"{source}.sampling", errors)
+    if sampling is not None:
+        errors.extend(f"{source}: {p}" for p in sampling.problems())
+
+
+def load_recipe(path: str | Path) -> RecipeConfig:
+    """Read and validate a recipe file (paths inside it are relative to the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FisherSelectError(f"recipe {path} not found; `fisher-select recipes` lists the shipped ones")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise FisherSelectError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    return parse_recipe(data, str(path), path.parent)
+
+
+def apply_overrides(recipe: RecipeConfig, overrides: dict, source: str = "command line") -> RecipeConfig:
+    """Flags override recipe fields (None means not given); the result is validated again."""
+    data = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    data["objectives"] = [
+        {"type": _type_of(o), **dataclasses.asdict(o)} for o in recipe.objectives
+    ]
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_recipe(data, source)
+
+
+def _type_of(cfg) -> str:
+    for name, (cls, _) in OBJECTIVE_TYPES.items():
+        if isinstance(cfg, cls):
+            return name
+    raise AssertionError(f"unregistered objective config {type(cfg).__name__}")
+
+
+def recipe_to_dict(recipe: RecipeConfig) -> dict:
+    """The resolved configuration, for reports and ``recipes show``."""
+    data = dataclasses.asdict(recipe)
+    data["objectives"] = [{"type": _type_of(o), **dataclasses.asdict(o)} for o in recipe.objectives]
+    return data
+
+
+def build_objectives(recipe: RecipeConfig, base_dir: Path | None = None) -> list:
+    return [OBJECTIVE_TYPES[_type_of(c)][1](c, base_dir) for c in recipe.objectives]

@@ -1,0 +1,143 @@
+"""Prompt files (JSONL) and turning a prompt into the token ids the model continues."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fisher_select.errors import FisherSelectError
+
+_EXPECTED = 'expected a JSON object with "prompt" (a string) or "messages" (a list of {"role", "content"})'
+
+
+@dataclass
+class PromptRecord:
+    """One prompt; ``fields`` keeps the whole JSON object (answers etc. for rewards)."""
+
+    index: int  # 0-based line index in the file (blank lines count, so it finds the line)
+    prompt: str | None
+    messages: list[dict] | None
+    fields: dict
+
+    def preview(self, n: int = 60) -> str:
+        """The first ``n`` characters of the prompt text, for error messages."""
+        text = self.prompt if self.prompt is not None else _last_content(self.messages)
+        return text[:n]
+
+    def describe(self) -> str:
+        """How error messages name this prompt: index, file line and the text's start."""
+        return f"prompt {self.index} (line {self.index + 1}: {self.preview()!r})"
+
+
+def _last_content(messages: list[dict] | None) -> str:
+    return str(messages[-1].get("content", "")) if messages else ""
+
+
+def load_prompts(path, limit: int | None = None) -> list[PromptRecord]:
+    """Read a JSONL prompt file; ``limit`` keeps only the first ``limit`` prompts."""
+    path = Path(path)
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise FisherSelectError(f"prompt limit {limit!r} is not a positive integer; pass e.g. 64")
+    if not path.is_file():
+        raise FisherSelectError(f"prompt file {path} does not exist; pass a JSONL file of prompts")
+    records: list[PromptRecord] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if limit is not None and len(records) >= limit:
+                break
+            line = _decode(raw, path, lineno)
+            if line.strip():
+                records.append(_parse_line(line, path, lineno))
+    if not records:
+        raise FisherSelectError(f"prompt file {path} has no prompts; {_EXPECTED} per line")
+    return records
+
+
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8-sig")  # tolerate a BOM from Windows editors
+    except UnicodeDecodeError:
+        raise FisherSelectError(f"{path}:{lineno}: not valid UTF-8; save the file as UTF-8") from None
+
+
+def _parse_line(line: str, path: Path, lineno: int) -> PromptRecord:
+    where, index = f"{path}:{lineno}", lineno - 1
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise FisherSelectError(f"{where}: invalid JSON ({err.msg}); {_EXPECTED}") from None
+    if not isinstance(obj, dict):
+        raise FisherSelectError(f"{where}: got {type(obj).__name__}; {_EXPECTED}")
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        got = "both" if has_prompt else "neither"
+        raise FisherSelectError(f'{where}: has {got} of "prompt" and "messages"; give exactly one')
+    if has_prompt:
+        return PromptRecord(index, _check_prompt(obj["prompt"], where), None, obj)
+    return PromptRecord(index, None, _check_messages(obj["messages"], where), obj)
+
+
+def _check_prompt(prompt, where: str) -> str:
+    if not isinstance(prompt, str):
+        raise FisherSelectError(f'{where}: "prompt" is {type(prompt).__name__}; expected a string')
+    if not prompt.strip():
+        raise FisherSelectError(f'{where}: "prompt" is empty; give the prompt text')
+    return prompt
+
+
+def _check_messages(messages, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise FisherSelectError(
+            f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects'
+        )
+    for i, msg in enumerate(messages):
+        ok = isinstance(msg, dict) and all(isinstance(msg.get(k), str) for k in ("role", "content"))
+        if not ok:
+            raise FisherSelectError(
+                f'{where}: messages[{i}] must be an object with string "role" and "content"'
+            )
+    return messages
+
+
+def render_prompt(tokenizer, record: PromptRecord) -> list[int]:
+    """Token ids of the prompt, ready for generation.
+
+    With a chat template, the conversation (a bare ``prompt`` becomes one user turn)
+    is rendered with the assistant's generation prompt appended; without one, the
+    plain prompt text is tokenized.
+    """
+    where = record.describe()
+    if getattr(tokenizer, "chat_template", None):
+        messages = record.messages or [{"role": "user", "content": record.prompt}]
+        ids = _apply_template(tokenizer, messages, where)
+    elif record.messages is not None:
+        raise FisherSelectError(
+            f"{where} has \"messages\" but the tokenizer has no chat template; "
+            'use "prompt" strings or a model with a chat template'
+        )
+    else:
+        ids = list(tokenizer(record.prompt)["input_ids"])
+    if not ids:
+        raise FisherSelectError(f"{where} renders to no tokens; give a non-empty prompt")
+    return ids
+
+
+def _apply_template(tokenizer, messages: list[dict], where: str) -> list[int]:
+    # transformers 5 returns a BatchEncoding by default (4.x returned a list); ask for
+    # the dict form explicitly so both versions give the same shape.
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+    except Exception as err:  # jinja templates raise their own error types
+        raise FisherSelectError(
+            f"{where}: the tokenizer's chat template rejected the messages ({err}); "
+            "fix the roles/order of the messages"
+        ) from err
+    ids = out["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):  # a batch of one conversation
+        ids = ids[0]
+    return [int(i) for i in ids]

@@ -1,0 +1,105 @@
+"""Brute-force references, shipped with the package so anyone can check the fast paths.
+
+- ``per_sample_scores``: each row run alone, unpadded, one ``autograd.grad`` per sample.
+- ``brute_force_sums``: the ``score_sums`` quantities from those per-sample gradients.
+- ``enumerate_responses``: every response of a tiny model (small vocabulary, short responses),
+  with its exact probability, for exact expectations (Fisher, gradients, signal scales).
+- ``per_token_scores``: one backward per response token (token-level Fisher).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .logprob import response_logprobs
+
+
+def _unpadded_row(input_ids, attention_mask, response_mask, b):
+    keep = attention_mask[b].bool()
+    ids = input_ids[b, keep][None]
+    return ids, torch.ones_like(ids), response_mask[b, keep][None]
+
+
+def per_sample_scores(model, input_ids, attention_mask, response_mask, token_weights=None) -> list[dict]:
+    """h_n for each row: gradient of its summed response log-probability, computed alone."""
+    params = dict(model.named_parameters())  # tied parameters once
+    out = []
+    for b in range(input_ids.shape[0]):
+        ids, attn, resp = _unpadded_row(input_ids, attention_mask, response_mask, b)
+        w = None
+        if token_weights is not None:
+            w = token_weights[b, attention_mask[b].bool()][None]
+        logp = response_logprobs(model, ids, attn, resp, w)[0]
+        grads = torch.autograd.grad(logp, list(params.values()), allow_unused=True)
+        out.append(
+            {n: (torch.zeros_like(p) if g is None else g).double() for (n, p), g in zip(params.items(), grads)}
+        )
+    return out
+
+
+def brute_force_sums(model, input_ids, attention_mask, response_mask, signal=None, token_weights=None):
+    """(squares, signal_sums, total) in float64 from the per-sample loop."""
+    scores = per_sample_scores(model, input_ids, attention_mask, response_mask, token_weights)
+    squares = {n: sum(s[n] ** 2 for s in scores) for n in scores[0]}
+    total = {n: sum(s[n] for s in scores) for n in scores[0]}
+    weighted = None
+    if signal is not None:
+        weighted = {n: sum(float(a) * s[n] for a, s in zip(signal, scores)) for n in scores[0]}
+    return squares, weighted, total
+
+
+def per_token_scores(model, prompt_ids: list[int], response_ids: list[int]) -> list[dict]:
+    """One backward per response token: d log pi(y_t | s_t) / d theta for each t."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    mask = torch.ones_like(ids)
+    params = dict(model.named_parameters())
+    out = []
+    for t in range(len(prompt_ids), ids.shape[1]):
+        resp = torch.zeros_like(ids, dtype=torch.bool)
+        resp[0, t] = True
+        logp = response_logprobs(model, ids, mask, resp)[0]
+        grads = torch.autograd.grad(logp, list(params.values()), allow_unused=True)
+        out.append({n: (torch.zeros_like(p) if g is None else g).double() for (n, p), g in zip(params.items(), grads)})
+    return out
+
+
+@dataclass
+class Outcome:
+    """One possible response: its tokens, exact probability and whether it ended with EOS."""
+
+    response: list[int]
+    prob: float
+    ended: bool
+
+
+def enumerate_responses(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: int) -> list[Outcome]:
+    """Every outcome of plain ancestral sampling, with its exact probability.
+
+    A response stops at the first EOS or is truncated after ``max_new_tokens`` tokens; the
+    outcome probabilities sum to one. Exponential in ``max_new_tokens``: tiny models only.
+    """
+    vocab = model.config.vocab_size
+    outcomes = []
+    with torch.no_grad():
+        for length in range(1, max_new_tokens + 1):
+            for body in itertools.product([v for v in range(vocab) if v not in eos_ids], repeat=length - 1):
+                for last in range(vocab):
+                    resp = list(body) + [last]
+                    ended = last in eos_ids
+                    if not ended and length < max_new_tokens:
+                        continue  # not an outcome: sampling would continue
+                    outcomes.append(Outcome(resp, 0.0, ended))
+        for o in outcomes:
+            o.prob = float(sequence_logprob(model, prompt_ids, o.response).exp())
+    return outcomes
+
+
+def sequence_logprob(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    """log pi(response | prompt) in fp32 (a scalar tensor, differentiable)."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    resp[0, len(prompt_ids) :] = True
+    return response_logprobs(model, ids, torch.ones_like(ids), resp)[0]

@@ -1,0 +1,180 @@
+"""Reward functions: ``fn(record, response_text) -> float``.
+
+Built-ins cover the common checks (last number equals the answer, a regex matches);
+anything else is a user callable named ``module:function``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import os
+import re
+import sys
+from typing import Callable
+
+from fisher_select.errors import FisherSelectError
+from fisher_select.prompts import PromptRecord
+
+RewardFn = Callable[[PromptRecord, str], float]
+
+# A number: optional sign (only where it cannot be a minus between two operands, e.g.
+# "3-5"), digits with optional comma thousands groups, optional decimals.
+_NUMBER = re.compile(
+    r"(?:(?<![\w.])[-\u2212])?(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,]*\d)"
+)
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (commas as thousands separators), or None."""
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    return float(matches[-1].replace(",", "").replace("\u2212", "-"))
+
+
+def numeric_match(answer_field: str = "answer") -> RewardFn:
+    """1.0 if the response's last number equals ``record.fields[answer_field]``, else 0.0."""
+
+    def reward(record: PromptRecord, text: str) -> float:
+        expected = _numeric_answer(record, answer_field)
+        got = last_number(text)
+        return float(got is not None and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9))
+
+    reward.__name__ = f"numeric_match[{answer_field}]"
+    return reward
+
+
+def _numeric_answer(record: PromptRecord, field: str) -> float:
+    if field not in record.fields:
+        raise FisherSelectError(
+            f'{record.describe()} has no "{field}" field for numeric_match; add it to every line'
+        )
+    value = record.fields[field]
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value.replace(",", "") if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise FisherSelectError(
+            f'{record.describe()}: "{field}" is {value!r}, not a number; give a numeric answer'
+        ) from None
+
+
+def regex_match(pattern: str, field: str | None = None) -> RewardFn:
+    """1.0 if ``re.search`` finds ``pattern`` in the response, else 0.0.
+
+    ``{name}`` placeholders in the pattern are filled with ``record.fields[name]``,
+    escaped, so the match is literal (``r"\\b{answer}\\b"``). Regex quantifiers such as
+    ``{3}`` are not placeholders. ``field``, if given, must be a placeholder in the
+    pattern: it states which field the pattern compares with and is checked up front.
+    """
+    names = set(_PLACEHOLDER.findall(pattern))
+    if field is not None and field not in names:
+        raise FisherSelectError(
+            f"regex reward pattern {pattern!r} has no {{{field}}} placeholder; add it or drop field"
+        )
+    _compile(_PLACEHOLDER.sub("x", pattern), pattern)  # report a bad regex now, not per sample
+
+    def reward(record: PromptRecord, text: str) -> float:
+        filled = _PLACEHOLDER.sub(lambda m: _field_text(record, m.group(1)), pattern)
+        return float(_compile(filled, pattern).search(text) is not None)
+
+    reward.__name__ = f"regex_match[{pattern}]"
+    return reward
+
+
+def _field_text(record: PromptRecord, name: str) -> str:
+    if name not in record.fields:
+        raise FisherSelectError(
+            f'{record.describe()} has no "{name}" field for the regex reward; add it to every line'
+        )
+    return re.escape(str(record.fields[name]))
+
+
+def _compile(regex: str, pattern: str) -> re.Pattern:
+    try:
+        return re.compile(regex)
+    except re.error as err:
+        raise FisherSelectError(f"regex reward pattern {pattern!r} is invalid: {err}; fix it") from None
+
+
+def load_callable(spec: str) -> Callable:
+    """Import ``module:function`` (``module:obj.attr`` works too), searching the cwd first."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise FisherSelectError(
+            f"reward function {spec!r} is not of the form module:function; e.g. my_rewards:score"
+        )
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # so a rewards file next to the user's data imports
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as err:  # a user module may fail in any way while importing
+        raise FisherSelectError(
+            f"cannot import module {module_name!r} for reward {spec!r}: "
+            f"{type(err).__name__}: {err}; check the module name and that it imports"
+        ) from err
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise FisherSelectError(
+                f"module {module_name!r} has no attribute {attr_path!r} (from {spec!r}); "
+                "check the function name"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise FisherSelectError(f"reward {spec!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+_SPEC_KEYS = {
+    "numeric_match": ({"answer_field"}, lambda s: numeric_match(s.get("answer_field", "answer"))),
+    "regex": ({"pattern", "field"}, lambda s: regex_match(_required(s, "pattern"), s.get("field"))),
+    "callable": ({"function"}, lambda s: load_callable(_required(s, "function"))),
+}
+
+
+def make_reward(spec: dict) -> RewardFn:
+    """Build a reward from a spec such as ``{"type": "numeric_match", "answer_field": "answer"}``."""
+    kinds = ", ".join(_SPEC_KEYS)
+    if not isinstance(spec, dict) or "type" not in spec:
+        raise FisherSelectError(f"reward spec {spec!r} needs a \"type\" (one of {kinds})")
+    kind = spec["type"]
+    if kind not in _SPEC_KEYS:
+        raise FisherSelectError(f"reward type {kind!r} is unknown; use one of {kinds}")
+    allowed, build = _SPEC_KEYS[kind]
+    unknown = set(spec) - allowed - {"type"}
+    if unknown:
+        raise FisherSelectError(
+            f"reward spec for {kind!r} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}"
+        )
+    return build(spec)
+
+
+def _required(spec: dict, key: str):
+    if not isinstance(spec.get(key), str) or not spec[key]:
+        raise FisherSelectError(f"reward spec {spec!r} needs a string {key!r}")
+    return spec[key]
+
+
+def evaluate_reward(fn: RewardFn, record: PromptRecord, text: str) -> float:
+    """Call ``fn`` and insist on a finite number; anything else names the prompt."""
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        value = fn(record, text)
+    except FisherSelectError:
+        raise  # already says what is wrong and where
+    except Exception as err:
+        raise FisherSelectError(
+            f"reward {name} raised {type(err).__name__}: {err} on {record.describe()}; "
+            "fix the reward function or the prompt's fields"
+        ) from err
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise FisherSelectError(
+            f"reward {name} returned {value!r} on {record.describe()}; "
+            "it must return a finite number (float)"
+        )
+    return float(value)

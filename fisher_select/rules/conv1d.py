@@ -1,0 +1,20 @@
+"""transformers' Conv1D (GPT-2): ``Y = X W + b`` with W of shape (in, out)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Contribution, Rule, as_3d, blocks
+
+
+class Conv1DRule(Rule):
+    def contributions(self, module, captured, grad_output, block):
+        x_t = as_3d(captured).transpose(1, 2)  # (B, in, T)
+        dy = as_3d(grad_output)  # (B, T, out)
+        rows_total, row_size = module.weight.shape  # (in, out)
+        for samples, rows in blocks(x_t.shape[0], rows_total, row_size, block):
+            x_part = x_t[samples] if rows is None else x_t[samples, rows]  # (b, in', T)
+            # (b, in', T) @ (b, T, out) -> (b, in', out), the layout of Conv1D.weight
+            yield Contribution("weight", samples.start, torch.bmm(x_part, dy[samples]), rows)
+        if module.bias is not None:
+            yield Contribution("bias", 0, dy.sum(1))  # (B, out)
