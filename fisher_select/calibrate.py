@@ -109,11 +109,16 @@ def calibrate(
     """Estimate the model Fisher from the model's own samples and each objective's signal scale.
 
     ``objective`` may be a list: F is computed once, each objective gets its own S and gradient
-    estimate. ``verify`` compares the engine's score sums with plain autograd on the first batch
-    (catches a parameter used outside its module, which no hook could see).
+    estimate. An objective may define two optional hooks: ``prepare(ctx, prompts)``, called
+    before sampling (load a teacher, check its data against the prompts; raise
+    FisherSelectError), and ``finish(cal, ctx) -> dict``, called at the end with the finished
+    Calibration; its dict is merged into the objective's summary, and it may replace its
+    ``grad_estimate`` (SFT from demonstrations: the demonstrations' mean score). ``verify``
+    compares the engine's score sums with plain autograd on the first batch (catches a
+    parameter used outside its module, which no hook could see).
     """
     objectives = objective if isinstance(objective, list) else [objective]
-    _check_inputs(prompts, objectives, samples_per_prompt, sampling or SamplingConfig())
+    check_inputs(prompts, objectives, samples_per_prompt, sampling or SamplingConfig())
     was_training = model.training
     model.eval()
     try:
@@ -123,7 +128,8 @@ def calibrate(
         model.train(was_training)
 
 
-def _check_inputs(prompts, objectives, k, sampling: SamplingConfig) -> None:
+def check_inputs(prompts, objectives, k, sampling: SamplingConfig) -> None:
+    """Every problem with the calibration settings, as one error (before any model work)."""
     problems = sampling.problems()
     if not prompts:
         problems.append("no prompts to calibrate on")
@@ -185,6 +191,9 @@ class _Calibrator:
 
     def run(self, prompts: list[PromptRecord]) -> Calibration:
         rendered = [render_prompt(self.tokenizer, r) for r in prompts]
+        for o in self.objectives:  # optional hook: load a teacher, check data against the prompts
+            if hasattr(o, "prepare"):
+                o.prepare(self.ctx, prompts)
         total = len(prompts) * self.k
         bar_s = tqdm(total=total, desc="sampling", unit="sample", disable=not self.progress)
         bar_f = tqdm(total=total, desc="scoring ", unit="sample", disable=not self.progress)
@@ -252,7 +261,7 @@ class _Calibrator:
             for k, resp in enumerate(g.responses):
                 self.samples.append({
                     "prompt_index": g.record.index,
-                    "prompt": g.record.describe(),
+                    "prompt": g.record.prompt if g.record.prompt is not None else g.record.messages,
                     "prompt_ids": g.prompt_ids,
                     "response_ids": resp,
                     "response": g.texts[k],
@@ -279,6 +288,9 @@ class _Calibrator:
                           self.cov.summary(), self.checks)
         if self.token is not None:
             cal.token_fisher = self.token.fisher()
+        for o, r in zip(self.objectives, cal.objectives):  # optional hook: results needing F (SFT demos)
+            if hasattr(o, "finish"):
+                r.summary.update(o.finish(cal, self.ctx))
         return cal
 
 
@@ -321,52 +333,12 @@ def score_mean_check(fisher, score_mean, n: int) -> dict:
     """z-scores of the score mean: RMS near 1 when samples follow the model (E[h] = 0)."""
     zsq, count = 0.0, 0
     for name, f in fisher.items():
-        m = score_mean[name].double()
-        var = (f.double() - m.square()).clamp_min(0)
+        m = score_mean[name]
+        var = (f - m.square()).clamp_min(0)  # per-sample variance of h
         ok = var > 0
-        zsq += float((m[ok].square() * n / var[ok]).sum())
+        # z^2 = mean^2 / (var / n), vectorised with where() rather than boolean copies
+        zsq += float(torch.where(ok, m.square() * n / torch.where(ok, var, 1.0), 0.0).sum(dtype=torch.float64))
         count += int(ok.sum())
     rms = math.sqrt(zsq / count) if count else float("nan")
     return {"rms_z": rms, "coordinates": count,
             "meaning": "RMS over coordinates of mean(h)/stderr; near 1 when E[h]=0 holds (samples from the model)"}
-
-
-class TokenLevel:
-    """Token-level Fisher and gradients for token-level objectives (full-vocabulary distillation).
-
-    ``F^tok_i = E_y sum_t h_{t,i}^2`` from Rademacher signs: backprop of ``sum_t eps_t log pi(y_t|s_t)``
-    has ``E_eps[(d_i u)^2] = sum_t h_{t,i}^2``, so the per-sample squares of one signed backward
-    estimate it at the cost of the sequence Fisher (``sign_draws`` backwards reduce the noise).
-    The gradient estimate ``mean_n sum_t A_t h_{n,t}`` is the plain score sum of one backward
-    with token weights ``A_t``.
-    """
-
-    def __init__(self, cal: _Calibrator):
-        self.cal = cal
-        self.objectives = [o for o in cal.objectives if o.token_level]
-        self.draws = max(o.sign_draws for o in self.objectives)
-        seed = int(torch.randint(0, 2**62, (1,), generator=cal.generator, device=cal.device))
-        self.signs = torch.Generator(device=cal.device).manual_seed(seed)
-        self.squares: ScoreSums | None = None
-        self.grads: dict[str, ScoreSums] = {}
-
-    def add(self, batch: _Batch) -> None:
-        args = (self.cal.model, batch.input_ids, batch.attention_mask, batch.response_mask)
-        for _ in range(self.draws):
-            eps = torch.randint(0, 2, batch.input_ids.shape, generator=self.signs, device=self.cal.device) * 2.0 - 1
-            self.squares = score_sums(*args, token_weights=eps, coverage=self.cal.cov, into=self.squares)
-        for o in self.objectives:
-            weights = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.cal.device)
-            rows = [t for g in batch.groups for t in g.values[o.name].extra["token_signal"]]
-            for b, a in enumerate(rows):
-                weights[b, batch.response_mask[b]] = a.to(weights)
-            self.grads[o.name] = score_sums(*args, token_weights=weights, coverage=self.cal.cov,
-                                            into=self.grads.get(o.name))
-
-    def fisher(self) -> dict[str, torch.Tensor]:
-        n = self.squares.count  # samples x draws
-        return {name: sq / n for name, sq in self.squares.squares.items()}
-
-    def grad_estimate(self, name: str) -> dict[str, torch.Tensor]:
-        sums = self.grads[name]
-        return {k: t / sums.count for k, t in sums.total.items()}

@@ -196,3 +196,20 @@ def recipe_to_dict(recipe: RecipeConfig) -> dict:
 
 def build_objectives(recipe: RecipeConfig, base_dir: Path | None = None) -> list:
     return [OBJECTIVE_TYPES[_type_of(c)][1](c, base_dir) for c in recipe.objectives]
+
+
+def recipes_dir() -> Path:
+    """The shipped recipes: ``recipes/`` beside the package (repository checkout or editable install)."""
+    return Path(__file__).resolve().parent.parent / "recipes"
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe file path, or the name of a shipped recipe (``rl-arithmetic``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = recipes_dir() / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+    raise FisherSelectError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")

@@ -220,6 +220,7 @@ class _Pass:
         self.cov, self.sums, self.block = cov, sums, block
         self.active = True
         self.anchors: dict[tuple, torch.Tensor] = {}
+        self.roots: list[torch.Tensor] = []  # module outputs that start the graph themselves
         self.calls: list[tuple[nn.Module, _ModuleInfo, object]] = []
         self.shared: dict[str, _Shared] = {}
         self.infos: dict[int, tuple[nn.Module, _ModuleInfo]] = {}
@@ -253,6 +254,8 @@ class _Pass:
         replaced = None
         if not output.requires_grad:
             output = replaced = output + self._anchor(output)
+        elif output.grad_fn is None:  # already a graph root (e.g. enable_input_require_grads)
+            self.roots.append(output)
         info.calls += 1
         self.calls.append((module, info, captured))
         output.register_hook(lambda g, m=module, i=info, c=captured: self._on_grad(m, i, c, g))
@@ -342,7 +345,7 @@ def score_sums(
         run.prepare_shared(batch)
         _check_checkpointing(model, run)
         fallback = list(cov.fallback.items())
-        inputs = list(run.anchors.values()) + [p for _, p in fallback]
+        inputs = list(run.anchors.values()) + run.roots + [p for _, p in fallback]
         if not inputs:
             raise FisherSelectError("nothing in the model takes part in the log-probability graph")
         torch.autograd.grad(logp.sum(), inputs, retain_graph=bool(fallback), allow_unused=True)

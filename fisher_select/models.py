@@ -9,6 +9,8 @@ loads in well under a second.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import hashlib
 import importlib.metadata
 import json
@@ -244,11 +246,12 @@ def _hub_snapshot(repo_id: str) -> Path:
 # Loading
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str = "float32"):
+def load_model(spec: str, device: str = "cpu", dtype: str = "float32", quantization: str | None = None):
     """Load ``(model, tokenizer, resolved_dir)`` for a ``--model`` spec, offline, in eval mode.
 
     The tokenizer pads on the left (prompts end where generation starts) and uses EOS as
-    pad when it has none.
+    pad when it has none. ``quantization`` ("nf4", "fp4", "int8") loads the Linear layers with
+    bitsandbytes (QLoRA-style base models); the Fisher is then over the dequantized weights.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -257,11 +260,13 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32"):
             f"dtype '{dtype}' is not supported; pass one of {', '.join(_DTYPES)}"
         )
     path = resolve_model_path(spec)
+    extra = _quantization_kwargs(quantization, device, _DTYPES[dtype])
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_DTYPES[dtype], local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=_DTYPES[dtype], local_files_only=True, **extra
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         raise FisherSelectError(
             f"could not load a causal language model and tokenizer from {path}: "
@@ -271,7 +276,39 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32"):
     if getattr(model.generation_config, "pad_token_id", None) is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.eval()
+    if extra:  # quantized weights are placed by device_map and cannot be moved afterwards
+        return model, tokenizer, path
     return _to_device(model, device), tokenizer, path
+
+
+@contextmanager
+def _quiet_transformers():
+    """No 'Loading weights' bars from transformers: our own progress bars say what runs."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _quantization_kwargs(quantization: str | None, device: str, dtype) -> dict:
+    if quantization is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    compute = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    if quantization in ("nf4", "fp4"):
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
+                                    bnb_4bit_compute_dtype=compute)
+    elif quantization == "int8":
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        raise FisherSelectError(f"quantization '{quantization}' is not supported; pass nf4, fp4 or int8")
+    return {"quantization_config": config, "device_map": device}
 
 
 def _set_padding(tokenizer, path: Path) -> None:

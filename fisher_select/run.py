@@ -106,6 +106,9 @@ def write_atomically(out: Path, writer: Callable[[Path], None], overwrite: bool)
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a run directory is an ordinary one
     try:
         writer(tmp)
         _replace_dir(tmp, out)

@@ -1,0 +1,1 @@
+"""CLI sub-commands: each module exposes ``register(subparsers)`` and sets ``func`` on its parser."""

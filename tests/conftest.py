@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny models built from config objects (no download), the embedded default."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fisher_select.models import EMBEDDED_DEFAULT, load_model  # noqa: E402
+from tests.tiny import TINY_MODELS, tiny_model  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """(model, tokenizer, path) of the embedded default, loaded once per test process."""
+    torch.manual_seed(0)
+    return load_model(EMBEDDED_DEFAULT)

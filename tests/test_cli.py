@@ -1,0 +1,147 @@
+"""The CLI end to end on the embedded default, and one clear error for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fisher_select import load_run
+from fisher_select.cli import main
+
+SMALL = ["--num-prompts", "2", "--samples-per-prompt", "2", "--max-new-tokens", "8", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "demo"
+    assert main(["calibrate", "--recipe", "rl-arithmetic", "--out", str(out), *SMALL]) == 0
+    return out
+
+
+def test_run_directory_is_complete(demo_run):
+    names = {p.name for p in demo_run.iterdir()}
+    assert {"fisher.safetensors", "grad_estimate.safetensors", "samples.jsonl", "report.json", "report.html"} <= names
+    report = json.loads((demo_run / "report.json").read_text())
+    for key in ("model", "objective", "signal_scale", "num_prompts", "num_samples", "truncation_rate", "sampling",
+                "caveats", "modules"):
+        assert key in report, key
+    assert report["num_prompts"] == 2 and report["num_samples"] == 4
+    assert report["sampling"]["temperature"] == 1.0 and report["sampling"]["top_k"] is None
+    assert Path(report["model"]["path"], "config.json").is_file()
+    assert any("single step" in c.lower() for c in report["caveats"])
+    masses = [m["fisher_mass"] for m in report["modules"]]
+    assert masses == sorted(masses, reverse=True)
+    samples = [json.loads(line) for line in (demo_run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and {"prompt_ids", "response_ids", "response", "logprob", "truncated"} <= set(samples[0])
+    assert report["checks"]["autograd"]["max_relative_error"] < 1e-3
+
+
+def test_report_numbers_agree_with_tensors(demo_run):
+    run = load_run(demo_run)
+    fisher = run.fisher
+    report = run.report
+    by_module = {m["name"]: m for m in report["modules"]}
+    emb = by_module["model.embed_tokens"]
+    assert math.isclose(emb["fisher_mass"], float(fisher["model.embed_tokens.weight"].double().sum()), rel_tol=1e-6)
+    assert emb["numel"] == fisher["model.embed_tokens.weight"].numel()
+    assert len(fisher) == 272  # every parameter of SmolLM2-135M, the tied embedding once
+    if report["signal_scale"]:
+        bounds = load_file(str(demo_run / "bounds.safetensors"))
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert torch.allclose(bounds[name], (fisher[name] * report["signal_scale"]).sqrt())
+
+
+def test_select_top_fraction(demo_run, capsys):
+    out = demo_run.parent / "mask.safetensors"
+    assert main(["select", str(demo_run), "--top", "0.01", "--out", str(out)]) == 0
+    masks = load_file(str(out))
+    total = sum(m.numel() for m in masks.values())
+    chosen = sum(int(m.sum()) for m in masks.values())
+    assert abs(chosen - round(0.01 * total)) <= 1
+    assert "model.layers" in capsys.readouterr().out
+
+
+def test_existing_run_is_not_overwritten_without_flag(demo_run, capsys):
+    before = (demo_run / "report.json").read_text()
+    assert main(["calibrate", "--out", str(demo_run), *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert (demo_run / "report.json").read_text() == before
+
+
+def _fails(args, capsys, *needles):
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_missing_model(tmp_path, capsys):
+    _fails(["calibrate", "--out", str(tmp_path / "o"), "--model", "nobody/no-such-model", *SMALL], capsys,
+           "nobody/no-such-model")
+    assert not (tmp_path / "o").exists()
+
+
+def test_malformed_and_empty_prompt_files(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok", "answer": 1}\n{"prompt": 3}\n')
+    _fails(["calibrate", "--out", str(tmp_path / "o"), "--prompts", str(bad), *SMALL], capsys, "bad.jsonl:2:")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    _fails(["calibrate", "--out", str(tmp_path / "o"), "--prompts", str(empty), *SMALL], capsys, "empty")
+    assert not (tmp_path / "o").exists()
+
+
+def test_rl_needs_two_samples_per_prompt(tmp_path, capsys):
+    args = ["calibrate", "--out", str(tmp_path / "o"), "--num-prompts", "2", "--samples-per-prompt", "1"]
+    _fails(args, capsys, "samples_per_prompt >= 2")
+
+
+@pytest.mark.parametrize("body,needle", [("raise ValueError('boom')", "boom"), ("return float('nan')", "nan"),
+                                         ("return 'yes'", "yes")])
+def test_bad_reward_names_the_prompt(tmp_path, monkeypatch, capsys, body, needle):
+    (tmp_path / "myreward.py").write_text(f"def fn(record, text):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("myreward", None)
+    recipe = tmp_path / "r.yaml"
+    data = Path(__file__).resolve().parent.parent / "recipes" / "data" / "arithmetic.jsonl"
+    recipe.write_text(f"prompts: {data}\nobjective:\n  type: rl\n  reward:\n    type: callable\n"
+                      "    function: myreward:fn\n")
+    err = _fails(["calibrate", "--recipe", str(recipe), "--out", str(tmp_path / "o"), *SMALL], capsys, "prompt 0")
+    assert needle in err.lower()
+    assert not (tmp_path / "o").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".o.tmp")]
+
+
+def test_recipe_with_unknown_key(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("prompts: x.jsonl\nbogus: 1\nobjective:\n  type: rl\n  reward: {type: numeric_match}\n")
+    _fails(["calibrate", "--recipe", str(recipe), "--out", str(tmp_path / "o")], capsys, "bogus", str(recipe))
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import fisher_select.html as html
+
+    def explode(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(html, "write_html", explode)
+    with pytest.raises(OSError):
+        main(["calibrate", "--out", str(tmp_path / "o"), *SMALL])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run([sys.executable, "-m", "fisher_select", "--help"], capture_output=True, text=True, check=True)
+    assert "calibrate" in out.stdout and "select" in out.stdout

@@ -1,0 +1,98 @@
+"""Plain ancestral sampling: the exact distribution, the full vocabulary, no hidden top-k."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from fisher_select import FisherSelectError
+from fisher_select.calibrate import calibrate
+from fisher_select.objectives import RLObjective
+from fisher_select.prompts import PromptRecord, render_prompt
+from fisher_select.reference import enumerate_responses, sequence_logprob
+from fisher_select.sampling import SamplingConfig, sample_responses
+from tests.tiny import TinyTokenizer, enumeration_model
+
+
+def _draw(model, prompt, n, seed=0, max_new=3):
+    return sample_responses(model, [prompt] * n, eos_ids={1}, pad_id=1, max_new_tokens=max_new,
+                            generator=torch.Generator().manual_seed(seed))
+
+
+def test_outcome_frequencies_match_exact_distribution():
+    model = enumeration_model()
+    prompt = [2, 3]
+    exact = {tuple(o.response): o.prob for o in enumerate_responses(model, prompt, {1}, 3)}
+    n = 4000
+    counts = Counter(tuple(s.response_ids) for s in _draw(model, prompt, n))
+    assert set(counts) <= set(exact)
+    # Pearson chi-square over outcomes, rare ones pooled so every expected count is >= 5.
+    chi2, pooled_obs, pooled_exp, df = 0.0, 0, 0.0, -1
+    for outcome, p in exact.items():
+        if n * p >= 5:
+            chi2 += (counts[outcome] - n * p) ** 2 / (n * p)
+            df += 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + counts[outcome], pooled_exp + n * p
+    if pooled_exp > 0:
+        chi2, df = chi2 + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
+    assert chi2 < df + 5 * math.sqrt(2 * df), (chi2, df)  # about 5 sigma of the chi-square
+
+
+def test_recorded_logprob_and_end_flags():
+    model = enumeration_model()
+    for s in _draw(model, [4, 2], 64, seed=3):
+        with torch.no_grad():
+            ref = float(sequence_logprob(model, [4, 2], s.response_ids))
+        assert abs(s.logprob - ref) < 1e-4
+        assert s.ended == (s.response_ids[-1] == 1)
+        assert 1 not in s.response_ids[:-1]  # nothing after the first EOS
+        assert s.ended or len(s.response_ids) == 3  # truncated only at max_new_tokens
+
+
+def test_seeded():
+    model = enumeration_model()
+    a = [s.response_ids for s in _draw(model, [2, 3], 32, seed=5)]
+    b = [s.response_ids for s in _draw(model, [2, 3], 32, seed=5)]
+    c = [s.response_ids for s in _draw(model, [2, 3], 32, seed=6)]
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("setting", [{"top_k": 50}, {"top_p": 0.9}, {"temperature": 0.7}, {"min_p": 0.05},
+                                     {"typical_p": 0.9}, {"repetition_penalty": 1.1}])
+def test_non_plain_sampling_is_refused(setting):
+    assert SamplingConfig(**setting).problems()
+    model = enumeration_model()
+    with pytest.raises(FisherSelectError, match="not plain sampling"):
+        calibrate(model, TinyTokenizer(5), [PromptRecord(0, "2 3", None, {})], RLObjective(lambda r, t: 0.0),
+                  samples_per_prompt=2, sampling=SamplingConfig(**setting), progress=False)
+
+
+def test_plain_settings_are_accepted():
+    assert SamplingConfig().problems() == []
+    assert SamplingConfig(top_k=0, top_p=1.0, repetition_penalty=1.0).problems() == []
+
+
+def test_tokens_beyond_rank_50_appear_at_the_model_rate(embedded):
+    """generate(do_sample=True) keeps only the top 50 tokens by default; our sampler must not."""
+    model, tok, _ = embedded
+    ids = render_prompt(tok, PromptRecord(0, "Write one sentence about the sea.", None, {}))
+    expected, variance, observed = 0.0, 0.0, 0
+
+    def observer(probs, tokens, active):
+        nonlocal expected, variance, observed
+        top50 = probs.topk(50, dim=-1).indices  # (B, 50)
+        beyond = 1 - probs.gather(1, top50).sum(-1)  # P(rank > 50) per row
+        hit = ~(top50 == tokens[:, None]).any(-1)
+        expected += float(beyond[active].sum())
+        variance += float((beyond * (1 - beyond))[active].sum())
+        observed += int(hit[active].sum())
+
+    sample_responses(model, [ids] * 16, eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id, max_new_tokens=24,
+                     generator=torch.Generator().manual_seed(0), observer=observer)
+    assert expected > 5  # the model does put mass beyond its top 50
+    assert observed > 0
+    assert abs(observed - expected) < 4 * math.sqrt(variance), (observed, expected, variance)
