@@ -18,6 +18,7 @@ from .engine import Coverage, ScoreSums, plan_coverage, score_sums
 from .errors import FisherSelectError
 from .objectives import Context, Group, Objective
 from .prompts import PromptRecord, render_prompt
+from .rules.bnb import keep_trainable_layout
 from .sampling import SamplingConfig, left_pad, sample_responses
 
 
@@ -122,8 +123,9 @@ def calibrate(
     was_training = model.training
     model.eval()
     try:
-        return _Calibrator(model, tokenizer, objectives, samples_per_prompt, max_new_tokens, seed,
-                           batch_size, progress, verify).run(prompts)
+        with keep_trainable_layout(model):
+            return _Calibrator(model, tokenizer, objectives, samples_per_prompt, max_new_tokens, seed,
+                               batch_size, progress, verify).run(prompts)
     finally:
         model.train(was_training)
 
@@ -342,3 +344,44 @@ def score_mean_check(fisher, score_mean, n: int) -> dict:
     rms = math.sqrt(zsq / count) if count else float("nan")
     return {"rms_z": rms, "coordinates": count,
             "meaning": "RMS over coordinates of mean(h)/stderr; near 1 when E[h]=0 holds (samples from the model)"}
+
+
+class TokenLevel:
+    """Token-level Fisher and gradients for token-level objectives (full-vocabulary distillation).
+
+    ``F^tok_i = E_y sum_t h_{t,i}^2`` from Rademacher signs: backprop of ``sum_t eps_t log pi(y_t|s_t)``
+    has ``E_eps[(d_i u)^2] = sum_t h_{t,i}^2``, so the per-sample squares of one signed backward
+    estimate it at the cost of the sequence Fisher (``sign_draws`` backwards reduce the noise).
+    The gradient estimate ``mean_n sum_t A_t h_{n,t}`` is the plain score sum of one backward
+    with token weights ``A_t``.
+    """
+
+    def __init__(self, cal: _Calibrator):
+        self.cal = cal
+        self.objectives = [o for o in cal.objectives if o.token_level]
+        self.draws = max(o.sign_draws for o in self.objectives)
+        seed = int(torch.randint(0, 2**62, (1,), generator=cal.generator, device=cal.device))
+        self.signs = torch.Generator(device=cal.device).manual_seed(seed)
+        self.squares: ScoreSums | None = None
+        self.grads: dict[str, ScoreSums] = {}
+
+    def add(self, batch: _Batch) -> None:
+        args = (self.cal.model, batch.input_ids, batch.attention_mask, batch.response_mask)
+        for _ in range(self.draws):
+            eps = torch.randint(0, 2, batch.input_ids.shape, generator=self.signs, device=self.cal.device) * 2.0 - 1
+            self.squares = score_sums(*args, token_weights=eps, coverage=self.cal.cov, into=self.squares)
+        for o in self.objectives:
+            weights = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.cal.device)
+            rows = [t for g in batch.groups for t in g.values[o.name].extra["token_signal"]]
+            for b, a in enumerate(rows):
+                weights[b, batch.response_mask[b]] = a.to(weights)
+            self.grads[o.name] = score_sums(*args, token_weights=weights, coverage=self.cal.cov,
+                                            into=self.grads.get(o.name))
+
+    def fisher(self) -> dict[str, torch.Tensor]:
+        n = self.squares.count  # samples x draws
+        return {name: sq / n for name, sq in self.squares.squares.items()}
+
+    def grad_estimate(self, name: str) -> dict[str, torch.Tensor]:
+        sums = self.grads[name]
+        return {k: t / sums.count for k, t in sums.total.items()}

@@ -19,6 +19,7 @@ from torch import nn
 from . import rules
 from .errors import FisherSelectError
 from .logprob import response_logprobs
+from .rules.bnb import check_layout
 
 DEFAULT_BLOCK = 1 << 19  # elements in one dense per-sample piece (2 MiB fp32: stays in cache)
 
@@ -337,6 +338,7 @@ def score_sums(
     if signal is not None and (signal.dim() not in (1, 2) or signal.shape[-1] != batch):
         raise FisherSelectError(f"signal must have shape ({batch},) or (objectives, {batch}), got {tuple(signal.shape)}")
     cov = coverage or plan_coverage(model)
+    check_layout(model)
     device = input_ids.device
     sums = _Sums(cov, signal, device, into)
     run = _Pass(cov, sums, block)
