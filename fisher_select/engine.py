@@ -52,12 +52,14 @@ class Coverage:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     params: dict[str, nn.Parameter] = field(default_factory=dict)
 
+    module_types: dict[str, str] = field(default_factory=dict)  # module name -> class name
+
     def summary(self) -> dict:
         by_rule: dict[str, int] = {}
         for users in self.users.values():
             key = type(users[0].rule).__name__
             by_rule[key] = by_rule.get(key, 0) + 1
-        return {"rules": by_rule, "fallback": sorted(self.fallback)}
+        return {"rules": by_rule, "fallback": sorted(self.fallback), "module_types": self.module_types}
 
 
 def plan_coverage(model: nn.Module) -> Coverage:
@@ -68,10 +70,11 @@ def plan_coverage(model: nn.Module) -> Coverage:
     """
     names = {id(p): n for n, p in model.named_parameters()}  # first name wins (tied once)
     holders: dict[str, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
+    cov = Coverage()
+    for module_name, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
             holders.setdefault(names[id(p)], []).append((module, local))
-    cov = Coverage()
+            cov.module_types.setdefault(module_name, type(module).__name__)
     for name, p in model.named_parameters():
         cov.params[name] = p
         users = []

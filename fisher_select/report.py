@@ -36,13 +36,17 @@ def module_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
 
 
-def module_table(fisher: dict[str, torch.Tensor], scale: float | None) -> list[dict]:
-    """One entry per module with a parameter, sorted by Fisher mass (largest first)."""
+def module_table(fisher: dict[str, torch.Tensor], scale: float | None, types: dict[str, str] | None = None) -> list[dict]:
+    """One entry per module with a parameter, sorted by Fisher mass (largest first).
+
+    ``types`` maps module name -> class name (recorded so hints can tell Linear from Conv1D).
+    """
     root = math.sqrt(scale) if scale is not None else None
     table: dict[str, dict] = {}
     for name, f in fisher.items():
-        entry = table.setdefault(module_of(name), {"name": module_of(name), "numel": 0, "fisher_mass": 0.0,
-                                                   "_sqrt_sum": 0.0, "_sqrt_max": 0.0, "parameters": []})
+        mod = module_of(name)
+        entry = table.setdefault(mod, {"name": mod, "type": (types or {}).get(mod), "numel": 0, "fisher_mass": 0.0,
+                                       "_sqrt_sum": 0.0, "_sqrt_max": 0.0, "parameters": []})
         entry["numel"] += f.numel()
         entry["fisher_mass"] += float(f.double().sum())
         root_f = f.double().clamp_min(0).sqrt()
@@ -97,7 +101,8 @@ def build_report(cal, *, model: dict, recipe: dict | None, recipe_name: str | No
         "coverage": cal.coverage,
         "checks": cal.checks,
         "caveats": CAVEATS,
-        "modules": module_table(cal.token_fisher if token else cal.fisher, primary.signal_scale),
+        "modules": module_table(cal.token_fisher if token else cal.fisher, primary.signal_scale,
+                                cal.coverage.get("module_types")),
     }
 
 

@@ -1,0 +1,69 @@
+"""``fisher-select select``: coordinate masks from a run, written as safetensors + JSON sidecar."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fisher_select.errors import FisherSelectError
+from fisher_select.select import CAVEAT, STRUCTURES, save_masks, select_masks, sidecar_path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "select",
+        help="select the coordinates fine-tuning is likely to move (a mask file)",
+        description=(
+            "Select coordinates of a calibration run by one rule and write bool masks "
+            "(True = selected) as safetensors, with a JSON sidecar <out>.json."
+        ),
+    )
+    p.add_argument("run", help="run directory written by `fisher-select calibrate`")
+    rule = p.add_mutually_exclusive_group(required=True)
+    rule.add_argument("--top", type=float, metavar="F",
+                      help="fraction in (0,1] of coordinates with the largest bound")
+    rule.add_argument("--mass", type=float, metavar="Q",
+                      help="smallest set of coordinates holding fraction Q of the Fisher mass")
+    rule.add_argument("--threshold", type=float, metavar="TAU",
+                      help="coordinates whose bound sqrt(F*S) exceeds TAU (needs a known S)")
+    p.add_argument("--per-module", action="store_true",
+                   help="apply the --top/--mass budget within each parameter tensor")
+    p.add_argument("--structured", choices=STRUCTURES,
+                   help="select whole rows/columns of 2-D weights (other parameters: coordinates)")
+    p.add_argument("--objective", metavar="NAME", help="objective whose S sets the bound (default: primary)")
+    p.add_argument("--out", required=True, metavar="FILE", help="mask file to write (.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing mask file")
+    p.set_defaults(func=run_select)
+
+
+def run_select(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if not args.overwrite and (out.exists() or sidecar_path(out).exists()):
+        # Refuse before the (possibly long) selection rather than after it.
+        raise FisherSelectError(
+            f"{args.out} (or its sidecar) already exists; pass --overwrite or choose another --out"
+        )
+    maskset = select_masks(
+        args.run,
+        top=args.top,
+        mass=args.mass,
+        threshold=args.threshold,
+        per_module=args.per_module,
+        structured=args.structured,
+        objective=args.objective,
+    )
+    path = save_masks(maskset, out, overwrite=args.overwrite)
+    _print_counts(maskset.meta)
+    print(f"wrote {path} and {sidecar_path(path).name}")
+    print(CAVEAT)
+    return 0
+
+
+def _print_counts(meta: dict) -> None:
+    """One line per module (selected / numel / density), then the total."""
+    rows = [(m["name"], m["selected"], m["numel"], m["density"]) for m in meta["modules"]]
+    rows.append(("total", meta["selected"], meta["numel"], meta["density"]))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'module':<{width}}  {'selected':>12}  {'numel':>12}  density")
+    for name, selected, numel, density in rows:
+        print(f"{name:<{width}}  {selected:>12,}  {numel:>12,}  {density:8.4f}")
