@@ -99,7 +99,7 @@ def build_dataclass(cls: type, data: Any, where: str, errors: list[str]):
 
 def parse_recipe(data: Any, source: str, base_dir: Path | None = None) -> RecipeConfig:
     """Validate a recipe mapping; one error listing every problem."""
-    from . import objectives  # noqa: F401  (registers the objective types)
+    from . import objectives as _registers_types  # noqa: F401  (importing registers the objective types)
 
     errors: list[str] = []
     objectives = []
@@ -116,6 +116,10 @@ def parse_recipe(data: Any, source: str, base_dir: Path | None = None) -> Recipe
         _check_values(recipe, source, errors)
         if base_dir is not None and not Path(recipe.prompts).is_absolute():
             recipe.prompts = str((base_dir / recipe.prompts).resolve())
+        if base_dir is not None:  # objective data files (SFT demonstrations) are relative to the recipe too
+            for cfg in objectives:
+                if hasattr(cfg, "resolve_paths"):
+                    cfg.resolve_paths(base_dir)
     if errors:
         raise FisherSelectError(f"invalid recipe {source}: " + "; ".join(errors))
     return recipe

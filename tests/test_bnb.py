@@ -94,6 +94,23 @@ def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
     fisher = cal.fisher["model.layers.0.mlp.up_proj.weight"]
     assert fisher.shape == (128, 64) and float(fisher.sum()) > 0
 
+    # QLoRA: hints from the 4-bit run target the quantized layers, with the allocated ranks.
+    import peft
+
+    from fisher_select.models import fingerprint
+    from fisher_select.peft import lora_config
+    from fisher_select.report import build_report, write_run
+
+    report = build_report(cal, model={"name": str(tmp_path), "path": str(tmp_path), "fingerprint": fingerprint(model)},
+                          recipe=None, recipe_name=None, sampling={}, settings={})
+    assert {m["type"] for m in report["modules"]} >= {"Linear4bit"}
+    write_run(tmp_path / "run", cal, report, overwrite=False)
+    config = lora_config(tmp_path / "run", top_n=3, total_rank=12, rank_step=2, model=model)
+    adapted = peft.get_peft_model(model, config)
+    lora_layers = {n: m for n, m in adapted.named_modules() if isinstance(m, peft.tuners.lora.bnb.Linear4bit)}
+    assert len(lora_layers) == 3
+    assert sum(m.lora_A["default"].weight.shape[0] for m in lora_layers.values()) == 12
+
 
 def test_cpu_inference_repacking_is_prevented_and_refused():
     """bitsandbytes repacks 4-bit weights for CPU inference in eval mode (no backward, bf16 absmax)."""

@@ -16,13 +16,6 @@ FROZEN = "model.norm.weight"  # forced fully unselected
 FREE = "model.layers.0.input_layernorm.weight"  # forced fully selected
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: with other work on the machine, thread contention costs far more than it saves."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, tied: bool = False) -> LlamaForCausalLM:

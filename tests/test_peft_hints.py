@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import re
@@ -10,12 +9,12 @@ import warnings
 
 import peft
 import pytest
+
 import torch
 from peft.utils.other import get_pattern_key
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fisher_select.peft as fs_peft
-from fisher_select.commands import lora as lora_command
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
 from fisher_select.peft import (
@@ -25,16 +24,10 @@ from fisher_select.peft import (
     pattern_key,
     shira_config,
 )
-from fisher_select.run import FISHER_FILE, REPORT_FILE, Run, save_tensors, write_json
+from fisher_select.run import Run
+from tests.tiny import run_command, write_run_dir
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: with other work on the machine, thread contention costs far more than it saves."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_run(model, fisher: dict[str, torch.Tensor], run_id: str = "run-x") -> Run:
@@ -251,18 +244,8 @@ def test_pattern_keys_match_exactly_their_module_under_peft_rules():
 # JSON file and CLI
 
 
-def write_run_dir(run: Run, path):
-    path.mkdir()
-    save_tensors(path / FISHER_FILE, run.fisher)
-    write_json(path / REPORT_FILE, run.report)
-    return path
 
 
-def cli(argv):
-    parser = argparse.ArgumentParser(prog="fisher-select")
-    lora_command.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def test_cli_lora_writes_peft_json_that_loads_only_for_its_model(tmp_path, capsys):
@@ -270,7 +253,7 @@ def test_cli_lora_writes_peft_json_that_loads_only_for_its_model(tmp_path, capsy
     run = tiny_run(model)
     run_dir = write_run_dir(run, tmp_path / "run")
     out = tmp_path / "lora.json"
-    assert cli(["lora", str(run_dir), "--top-n", "5", "--total-rank", "40", "--rank-step", "4",
+    assert run_command(["lora", str(run_dir), "--top-n", "5", "--total-rank", "40", "--rank-step", "4",
                 "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "load_lora_config(" in text and "get_peft_model(model, config)" in text and "Caveat:" in text
@@ -293,9 +276,9 @@ def test_cli_lora_writes_peft_json_that_loads_only_for_its_model(tmp_path, capsy
     with pytest.raises(FisherSelectError, match="different weights"):
         load_lora_config(out, tiny_llama(seed=1))
     with pytest.raises(FisherSelectError, match="already exists"):
-        cli(["lora", str(run_dir), "--out", str(out)])
+        run_command(["lora", str(run_dir), "--out", str(out)])
     with pytest.raises(FisherSelectError, match="cannot give"):
-        cli(["lora", str(run_dir), "--top-n", "5", "--total-rank", "8", "--out", str(tmp_path / "b.json")])
+        run_command(["lora", str(run_dir), "--top-n", "5", "--total-rank", "8", "--out", str(tmp_path / "b.json")])
 
 
 def test_real_peft_is_imported_inside_fisher_select_peft():

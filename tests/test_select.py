@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
 import pytest
+
 import torch
 
-from fisher_select.commands import select as select_command
 from fisher_select.errors import FisherSelectError
-from fisher_select.run import FISHER_FILE, REPORT_FILE, Run, save_tensors, write_json
+from fisher_select.run import Run, save_tensors
 from fisher_select.select import (
     CAVEAT,
     load_masks,
@@ -30,6 +29,7 @@ SHAPES = {  # deliberately not in sorted order; mixes 2-D weights with 1-D param
     "mlp.down.weight": (5, 6),
 }
 SCALE = 2.0
+from tests.tiny import run_command, write_run_dir
 
 
 def make_run(fisher: dict[str, torch.Tensor], scale: float | None = SCALE) -> Run:
@@ -326,25 +326,15 @@ def test_load_rejects_missing_and_foreign_files(tmp_path):
         load_masks(tmp_path / "plain.safetensors")
 
 
-def write_run_dir(run: Run, path):
-    path.mkdir()
-    save_tensors(path / FISHER_FILE, run.fisher)
-    write_json(path / REPORT_FILE, run.report)
-    return path
 
 
-def cli(argv):
-    parser = argparse.ArgumentParser(prog="fisher-select")
-    select_command.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def test_cli_select_writes_masks_and_prints_counts(tmp_path, capsys):
     run = make_run(tied_fisher())
     run_dir = write_run_dir(run, tmp_path / "run")
     out = tmp_path / "masks.safetensors"
-    assert cli(["select", str(run_dir), "--mass", "0.5", "--per-module", "--out", str(out)]) == 0
+    assert run_command(["select", str(run_dir), "--mass", "0.5", "--per-module", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     masks, meta = load_masks(out)
     assert_masks_equal(masks, select_masks(run, mass=0.5, per_module=True).masks)
@@ -352,8 +342,8 @@ def test_cli_select_writes_masks_and_prints_counts(tmp_path, capsys):
         assert m["name"] in text and f"{m['selected']:,}" in text
     assert CAVEAT in text and CAVEAT.startswith("Caveat:")
     with pytest.raises(FisherSelectError, match="already exists"):
-        cli(["select", str(run_dir), "--top", "0.1", "--out", str(out)])
+        run_command(["select", str(run_dir), "--top", "0.1", "--out", str(out)])
     with pytest.raises(FisherSelectError, match="outside"):
-        cli(["select", str(run_dir), "--top", "2", "--out", str(tmp_path / "x.safetensors")])
+        run_command(["select", str(run_dir), "--top", "2", "--out", str(tmp_path / "x.safetensors")])
     with pytest.raises(SystemExit):  # argparse: the rules are mutually exclusive
-        cli(["select", str(run_dir), "--top", "0.1", "--mass", "0.5", "--out", str(out)])
+        run_command(["select", str(run_dir), "--top", "0.1", "--mass", "0.5", "--out", str(out)])
