@@ -1,0 +1,106 @@
+"""``fisher-select recipes``: list the shipped recipes; ``recipes show NAME`` explains one.
+
+Shipped recipes live in the repository's ``recipes/`` folder beside the package
+(``config.recipes_dir()``). ``show`` accepts a shipped name or any recipe file and prints each
+objective's signal and scale formulas, its data needs and caveats, the notes at the top of the
+file, and the resolved configuration (validated, paths made absolute).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from ..config import build_objectives, find_recipe, load_recipe, recipe_to_dict, recipes_dir
+from ..errors import FisherSelectError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "recipes",
+        help="list the shipped recipes, or show one (`recipes show NAME`)",
+        description="List the shipped recipes (name, objectives, description), or explain one with `show`.",
+    )
+    sub = p.add_subparsers(dest="recipes_action", metavar="show")
+    show = sub.add_parser("show", help="objectives, formulas, data needs, caveats and resolved configuration")
+    show.add_argument("name", help="a shipped recipe's name (see `fisher-select recipes`) or a recipe file")
+    show.set_defaults(func=run_show)
+    p.set_defaults(func=run_list)
+
+
+def shipped_recipes() -> list[Path]:
+    """The recipe files shipped in ``recipes/``, sorted by name."""
+    folder = recipes_dir()
+    if not folder.is_dir():
+        raise FisherSelectError(f"no recipes folder at {folder}; pass a recipe file to `recipes show`")
+    return sorted(folder.glob("*.yaml"))
+
+
+def run_list(args: argparse.Namespace) -> int:
+    rows = []
+    for path in shipped_recipes():
+        try:
+            recipe = load_recipe(path)
+            types = ", ".join(_type_names(recipe))
+            rows.append((path.stem, types, recipe.description))
+        except FisherSelectError as exc:  # one broken file should not hide the others
+            rows.append((path.stem, "?", f"INVALID: {exc}"))
+    width = max([len("name")] + [len(r[0]) for r in rows])
+    kinds = max([len("objectives")] + [len(r[1]) for r in rows])
+    print(f"{'name':<{width}}  {'objectives':<{kinds}}  description")
+    for name, types, description in rows:
+        print(f"{name:<{width}}  {types:<{kinds}}  {description}")
+    print(f"\n{len(rows)} recipe(s) in {recipes_dir()}; `fisher-select recipes show NAME` explains one")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    path = find_recipe(args.name)
+    recipe = load_recipe(path)
+    objectives = build_objectives(recipe, path.parent)  # builds nothing heavy: teachers load lazily
+    print(f"recipe: {path.stem}  ({path})")
+    print(f"description: {recipe.description}")
+    for i, o in enumerate(objectives, start=1):
+        print()
+        for line in _objective_lines(i, o.describe(), o):
+            print(line)
+    notes = _header_comments(path)
+    if notes:
+        print("\nnotes (from the recipe file):")
+        for line in notes:
+            print(f"  {line}")
+    print("\nresolved configuration:")
+    print(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True).rstrip())
+    return 0
+
+
+def _type_names(recipe) -> list[str]:
+    return [entry["type"] for entry in recipe_to_dict(recipe)["objectives"]]
+
+
+def _objective_lines(i: int, d: dict, objective) -> list[str]:
+    lines = [f"objective {i}: {d['name']} (type {d['type']})",
+             f"  signal: {d['signal']}",
+             f"  scale:  {d['scale']}",
+             f"  data:   {d['data']}"]
+    if d.get("token_level"):
+        lines.append(f"  Fisher: token-level F^tok (Rademacher sign draws: {objective.sign_draws})")
+    else:
+        lines.append("  Fisher: the shared model Fisher F")
+    if objective.min_samples_per_prompt > 1:
+        lines.append(f"  needs:  samples_per_prompt >= {objective.min_samples_per_prompt}")
+    lines.append("  caveats:")
+    lines.extend(f"    - {c}" for c in d["caveats"])
+    return lines
+
+
+def _header_comments(path: Path) -> list[str]:
+    """The comment block at the top of a recipe file (what the signal is, data, when loose)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        out.append(line[2:] if line.startswith("# ") else line[1:])  # keeps the comment's indentation
+    return out

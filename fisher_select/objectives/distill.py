@@ -1,0 +1,223 @@
+"""On-policy distillation from a teacher T that shares the model's tokenizer.
+
+- ``opd-pg`` (policy-gradient style): sequence signal ``sigma = log T(y|x) - log pi(y|x)``
+  centred by its model-conditional mean, ``a = sigma - E_pi[sigma|x]``; scale
+  ``E_x Var_pi(sigma|x)``. Same rules as RL: K >= 2, leave-one-out centring for the gradient
+  estimate, unbiased within-prompt variance for S. Its expected gradient is that of
+  ``-KL(pi || T)`` (ascent direction).
+- ``opd-full`` (full vocabulary): at every state the model visits, the loss
+  ``KL(pi(.|s_t) || T(.|s_t))`` with no gradient through the sampling of the states. Token
+  signal ``A_t = log pi(y_t|s_t) - log T(y_t|s_t) - KL_t``; the gradient ``E_y sum_t A_t h_t`` is
+  that of the summed KL (descent direction). It is bounded with the token-level Fisher
+  ``F^tok_i = E_y sum_t h_{t,i}^2`` (calibrate's ``TokenLevel``) and
+  ``S_tok = E_y sum_t Var_{v~pi(.|s_t)}(log pi(v|s_t) - log T(v|s_t))``, computed exactly over the
+  vocabulary at each visited state; the noisier sampled-token estimate ``E_y sum_t A_t^2`` (same
+  expectation) is reported beside it.
+
+A teacher giving probability 0 to something the model can produce makes S infinite: the summary
+says so (``signal_scale`` = inf and a warning) and such groups are left out of the gradient
+estimate rather than turning it into NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import build_dataclass, register_objective
+from ..errors import FisherSelectError
+from ..teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher, token_tables
+from .base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance
+
+_INFINITE_WARNING = (
+    "the teacher gives probability 0 to {what} the model can produce: KL(pi || T) and the signal scale are "
+    "infinite (no bound); {n} group(s) were left out of the gradient estimate"
+)
+
+
+class _TeacherObjective(Objective):
+    """Shared teacher handling: resolved before sampling, described in reports."""
+
+    def __init__(self, teacher: Teacher | TeacherConfig, name: str | None = None):
+        super().__init__(name)
+        self.spec = teacher
+        self.teacher: Teacher | None = None
+        self._infinite_groups = 0
+
+    def prepare(self, ctx: Context, prompts) -> None:
+        self.teacher = resolve_teacher(self.spec, ctx, role="teacher")
+
+    def _ready(self, ctx: Context) -> Teacher:
+        if self.teacher is None:  # used outside calibrate()
+            self.prepare(ctx, [])
+        return self.teacher
+
+    def describe(self) -> dict:
+        return {**super().describe(), "teacher": describe_teacher(self.spec)}
+
+
+class OPDPGObjective(_TeacherObjective):
+    """PG-style on-policy distillation: a = sigma - E[sigma|x], S = E_x Var_pi(sigma|x)."""
+
+    kind = "opd-pg"
+    signal_formula = "sigma - mean_{j!=k} sigma_j,  sigma = log T(y|x) - log pi(y|x)  (leave-one-out)"
+    scale_formula = "E_x Var_pi(sigma|x)  (unbiased within-prompt variance, divisor K-1)"
+    data_needs = ("prompts and a teacher with the model's tokenizer: another model, or the model itself "
+                  "with privileged context (e.g. the reference answer from the prompt's fields)")
+    min_samples_per_prompt = 2
+    caveats = (
+        "S is estimated from K samples per prompt; sequence log-ratios are heavy-tailed, so few samples "
+        "give a noisy S.",
+        "A teacher that gives some sampled response probability 0 makes S infinite (no bound).",
+    )
+
+    def __init__(self, teacher: Teacher | TeacherConfig, name: str | None = None):
+        super().__init__(teacher, name)
+        self._sigma_means: list[float] = []
+
+    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
+        log_t = self._ready(ctx).sequence_logprobs(group)  # (K,) float64
+        if torch.isnan(log_t).any():
+            raise FisherSelectError(f"{self.teacher.name} gave NaN log-probabilities on {group.record.describe()}")
+        sigma = log_t - torch.tensor(group.logprobs, dtype=torch.float64)  # (K,)
+        if not torch.isfinite(sigma).all():  # log T = -inf: Var(sigma|x) is infinite
+            self._infinite_groups += 1
+            return GroupSignal(torch.zeros_like(sigma), math.inf, sigma.tolist())
+        self._sigma_means.append(float(sigma.mean()))
+        return GroupSignal(leave_one_out(sigma), unbiased_variance(sigma), sigma.tolist())
+
+    def summary(self) -> dict:
+        kl = -sum(self._sigma_means) / len(self._sigma_means) if self._sigma_means else None
+        warnings = []
+        if self._infinite_groups:
+            warnings.append(_INFINITE_WARNING.format(what="responses", n=self._infinite_groups))
+        return {**super().summary(), "reverse_kl_estimate": kl,
+                "reverse_kl_meaning": "-mean(sigma): estimate of the sequence-level KL(pi || T) (finite groups)",
+                "infinite_groups": self._infinite_groups, "warnings": warnings}
+
+
+class OPDFullObjective(_TeacherObjective):
+    """Full-vocabulary on-policy distillation: token signal A_t, token-level Fisher, exact per-state S."""
+
+    kind = "opd-full"
+    signal_formula = "A_t = log pi(y_t|s_t) - log T(y_t|s_t) - KL_t,  KL_t = KL(pi(.|s_t) || T(.|s_t))  (per token)"
+    scale_formula = ("S_tok = E_y sum_t Var_{v~pi(.|s_t)}(log pi(v|s_t) - log T(v|s_t))  (exact over the vocabulary; "
+                     "sampled-token estimate E_y sum_t A_t^2 also reported); bound uses the token-level Fisher F^tok")
+    data_needs = ("prompts and a teacher with the model's tokenizer and vocabulary size; both models' full "
+                  "next-token distributions at every visited state")
+    token_level = True
+    caveats = (
+        "The bound uses the token-level Fisher F^tok = E sum_t h_t^2 (Rademacher-sign estimate; its noise "
+        "falls with sign_draws). Under the model's own sampling its expectation equals the sequence Fisher F "
+        "(cross-token terms vanish), so the two estimates differ only by noise.",
+        "A teacher with probability 0 for a token the model can produce makes KL and S infinite (no bound).",
+    )
+
+    def __init__(self, teacher: Teacher | TeacherConfig, sign_draws: int = 1, name: str | None = None):
+        super().__init__(teacher, name)
+        if sign_draws < 1:
+            raise FisherSelectError(f"sign_draws must be at least 1, got {sign_draws}")
+        self.sign_draws = sign_draws
+        self._sampled_terms: list[float] = []
+
+    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
+        contexts = [group.prompt_ids] * len(group.responses)
+        student = token_tables(ctx.model, contexts, group.responses)  # per response (L_k, V)
+        teacher = self._ready(ctx).token_tables(group)
+        if any(torch.isnan(t).any() for t in teacher):
+            raise FisherSelectError(f"{self.teacher.name} gave NaN log-probabilities on {group.record.describe()}")
+        tokens, exact, sampled, kls = [], [], [], []
+        for resp, lp_s, lp_t in zip(group.responses, student, teacher):
+            a, var, kl = token_signal(lp_s, lp_t, torch.tensor(resp))
+            tokens.append(a)
+            exact.append(float(var.sum()))
+            sampled.append(float(a.square().sum()))
+            kls.append(float(kl.sum()))
+        scale_term = sum(exact) / len(exact)
+        if math.isinf(scale_term) or math.isnan(scale_term):
+            self._infinite_groups += 1
+            tokens = [torch.zeros_like(a) for a in tokens]  # the gradient is undefined: leave the group out
+            scale_term = math.inf
+            self._sampled_terms.append(math.inf)
+        else:
+            self._sampled_terms.append(sum(sampled) / len(sampled))
+        zeros = torch.zeros(len(group.responses), dtype=torch.float64)  # no sequence-level signal
+        return GroupSignal(zeros, scale_term, kls, extra={"token_signal": tokens})
+
+    def summary(self) -> dict:
+        n = len(self._sampled_terms)
+        sampled = sum(self._sampled_terms) / n if n else None
+        warnings = []
+        if self._infinite_groups:
+            warnings.append(_INFINITE_WARNING.format(what="tokens", n=self._infinite_groups))
+        return {**super().summary(), "sign_draws": self.sign_draws,
+                "signal_scale_sampled": sampled,
+                "signal_scale_sampled_meaning": "E_y sum_t A_t^2 at the sampled tokens (same expectation, noisier)",
+                "infinite_groups": self._infinite_groups, "warnings": warnings}
+
+
+def token_signal(lp_student: torch.Tensor, lp_teacher: torch.Tensor, response: torch.Tensor):
+    """Per visited state of one response: A_t (L,), Var_t (L,) and KL_t (L,), all float64.
+
+    lp_student, lp_teacher: (L, V) fp32 log-softmax at the response's states; response: (L,) ids.
+    Sums run over tokens with pi(v|s_t) > 0 only; where T(v|s_t) = 0 for such a token, KL_t and
+    Var_t are +inf and A_t is NaN (the caller leaves the response out).
+    """
+    lp_s, lp_t = lp_student.double(), lp_teacher.double()
+    p = lp_s.exp()  # (L, V)
+    live = p > 0
+    diff = torch.where(live, lp_s - lp_t, 0.0)  # log pi(v) - log T(v), +inf where T(v) = 0
+    kl = (p * diff).sum(-1)  # (L,)
+    var = torch.where(live, p * (diff - kl[:, None]).square(), 0.0).sum(-1)  # (L,)
+    infinite = (live & torch.isinf(diff)).any(-1)
+    kl = torch.where(infinite, math.inf, kl)
+    var = torch.where(infinite, math.inf, var)
+    picked = diff.gather(1, response[:, None]).squeeze(1)  # (L,)
+    a = torch.where(infinite, math.nan, picked - kl)
+    return a, var, kl
+
+
+@dataclass
+class OPDPGConfig:
+    """Recipe keys of an ``opd-pg`` objective."""
+
+    teacher: dict  # model ("self" or a spec), system_prompt, user_template
+    name: str | None = None
+
+    def problems(self) -> list[str]:
+        return _teacher_problems(self.teacher)
+
+
+@dataclass
+class OPDFullConfig:
+    """Recipe keys of an ``opd-full`` objective."""
+
+    teacher: dict  # model ("self" or a spec), system_prompt, user_template
+    sign_draws: int = 1  # Rademacher sign draws per sample for the token-level Fisher
+    name: str | None = None
+
+    def problems(self) -> list[str]:
+        out = _teacher_problems(self.teacher)
+        if self.sign_draws < 1:
+            out.append(f"sign_draws: must be at least 1, got {self.sign_draws}")
+        return out
+
+
+def _teacher_problems(data: dict) -> list[str]:
+    errors: list[str] = []
+    cfg = build_dataclass(TeacherConfig, data, "teacher", errors)
+    return errors + [f"teacher: {p}" for p in (cfg.problems() if cfg else [])]
+
+
+def build_opd_pg(cfg: OPDPGConfig, base_dir=None) -> OPDPGObjective:
+    return OPDPGObjective(TeacherConfig(**cfg.teacher), cfg.name)
+
+
+def build_opd_full(cfg: OPDFullConfig, base_dir=None) -> OPDFullObjective:
+    return OPDFullObjective(TeacherConfig(**cfg.teacher), cfg.sign_draws, cfg.name)
+
+
+register_objective("opd-pg", OPDPGConfig, build_opd_pg)
+register_objective("opd-full", OPDFullConfig, build_opd_full)
