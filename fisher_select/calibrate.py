@@ -76,7 +76,8 @@ class Calibration:
         """``sqrt(F_i * S)``; ``sqrt(F_i)`` when S is unknown (same ranking, no absolute scale)."""
         scale = self.objective(objective).signal_scale
         root = 1.0 if scale is None else math.sqrt(scale)  # inf when S is infinite: no bound
-        return {n: f.sqrt() * root for n, f in self.fisher_for(objective).items()}
+        # F_i = 0 means h_i = 0 on every response, so g_i = 0 whatever S is (avoid 0 * inf).
+        return {n: torch.where(f > 0, f.sqrt() * root, 0.0) for n, f in self.fisher_for(objective).items()}
 
     def mixed_bound(self, weights: dict[str, float]) -> dict[str, torch.Tensor]:
         """``sum_o |c_o| sqrt(F^(o)_i S_o)`` for a weighted mix of objectives on the same samples.
@@ -136,6 +137,9 @@ def check_inputs(prompts, objectives, k, sampling: SamplingConfig) -> None:
     if not prompts:
         problems.append("no prompts to calibrate on")
     for o in objectives:
+        if o.used:
+            problems.append(f"objective {o.name!r} already holds statistics from another calibration; "
+                            "pass a new objective instance")
         if k < o.min_samples_per_prompt:
             problems.append(
                 f"objective {o.name!r} needs samples_per_prompt >= {o.min_samples_per_prompt} "

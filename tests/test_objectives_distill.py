@@ -23,7 +23,7 @@ from fisher_select.prompts import PromptRecord
 from fisher_select.reference import sequence_logprob
 from fisher_select.teachers import Teacher, TeacherConfig, check_same_vocabulary, resolve_teacher
 from tests.test_objectives_sft import exact_sft, gradient_sd, projection
-from tests.test_token_fisher import (
+from tests.enumeration import (
     MAX_NEW,
     PROMPTS,
     VOCAB,

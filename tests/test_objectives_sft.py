@@ -20,7 +20,7 @@ from fisher_select.objectives import Group, RLObjective, SFTDemonstrationsObject
 from fisher_select.objectives.sft import MAX_SIGNAL, SFTConfig, weight_diagnostics
 from fisher_select.reference import per_sample_scores
 from fisher_select.teachers import Teacher, TeacherConfig
-from tests.test_token_fisher import (
+from tests.enumeration import (
     MAX_NEW,
     PROMPTS,
     VOCAB,

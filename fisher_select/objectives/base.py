@@ -76,6 +76,11 @@ class Objective:
         return out
 
     @property
+    def used(self) -> bool:
+        """True once a calibration recorded statistics here (instances are single-use)."""
+        return bool(self._terms)
+
+    @property
     def signal_scale(self) -> float | None:
         """S estimate: mean over prompts of the per-prompt terms (None if no group was seen)."""
         return float(sum(self._terms) / len(self._terms)) if self._terms else None
