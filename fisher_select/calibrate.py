@@ -111,7 +111,7 @@ def calibrate(
     """Estimate the model Fisher from the model's own samples and each objective's signal scale.
 
     ``objective`` may be a list: F is computed once, each objective gets its own S and gradient
-    estimate. An objective may define two optional hooks: ``prepare(ctx, prompts)``, called
+    estimate. Objectives have two hooks (no-ops by default): ``prepare(ctx, prompts)``, called
     before sampling (load a teacher, check its data against the prompts; raise
     FisherSelectError), and ``finish(cal, ctx) -> dict``, called at the end with the finished
     Calibration; its dict is merged into the objective's summary, and it may replace its
@@ -197,9 +197,8 @@ class _Calibrator:
 
     def run(self, prompts: list[PromptRecord]) -> Calibration:
         rendered = [render_prompt(self.tokenizer, r) for r in prompts]
-        for o in self.objectives:  # optional hook: load a teacher, check data against the prompts
-            if hasattr(o, "prepare"):
-                o.prepare(self.ctx, prompts)
+        for o in self.objectives:  # load a teacher, check data against the prompts
+            o.prepare(self.ctx, prompts)
         total = len(prompts) * self.k
         bar_s = tqdm(total=total, desc="sampling", unit="sample", disable=not self.progress)
         bar_f = tqdm(total=total, desc="scoring ", unit="sample", disable=not self.progress)
@@ -294,9 +293,8 @@ class _Calibrator:
                           self.cov.summary(), self.checks)
         if self.token is not None:
             cal.token_fisher = self.token.fisher()
-        for o, r in zip(self.objectives, cal.objectives):  # optional hook: results needing F (SFT demos)
-            if hasattr(o, "finish"):
-                r.summary.update(o.finish(cal, self.ctx))
+        for o, r in zip(self.objectives, cal.objectives):  # results that need F (SFT from demonstrations)
+            r.summary.update(o.finish(cal, self.ctx))
         return cal
 
 

@@ -212,8 +212,9 @@ def find_recipe(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = recipes_dir() / f"{name_or_path}.yaml"
-    if shipped.is_file():
-        return shipped
+    for folder in (recipes_dir(), Path.cwd() / "recipes"):  # checkout / editable install, or a project folder
+        shipped = folder / f"{name_or_path}.yaml"
+        if shipped.is_file():
+            return shipped
     names = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
     raise FisherSelectError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")

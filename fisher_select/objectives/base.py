@@ -65,6 +65,13 @@ class Objective:
         self._terms: list[float] = []
         self._zero_groups = 0
 
+    def prepare(self, ctx: Context, prompts: list) -> None:
+        """Before sampling: load a teacher, check data against the prompts (raise FisherSelectError)."""
+
+    def finish(self, cal, ctx: Context) -> dict:
+        """After calibration: extra summary fields (may replace this objective's grad_estimate)."""
+        return {}
+
     def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
         raise NotImplementedError
 
