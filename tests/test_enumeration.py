@@ -188,3 +188,36 @@ def test_bound_with_infinite_scale_is_infinite_except_where_fisher_is_zero():
     fisher = {"w": torch.tensor([0.0, 4.0])}
     cal = Calibration(fisher, {"w": torch.zeros(2)}, [ObjectiveResult("o", math.inf, {}, {})], 1, 2, 0)
     assert cal.bound()["w"].tolist() == [0.0, math.inf]
+
+
+def test_grpo_normalised_signal(exact):
+    """GRPO divides advantages by the group's reward std: a = (r - rbar)/std(r|x), S = share of
+    prompts whose rewards vary (1 here). Exact bound, and the MC estimate within 5 sd."""
+    names, per_prompt = exact["names"], exact["per_prompt"]
+    g = {n: 0.0 for n in names}
+    sds = []
+    for rows in per_prompt:
+        rbar = sum(p * r for p, _, r in rows)
+        sd = math.sqrt(sum(p * (r - rbar) ** 2 for p, _, r in rows))
+        sds.append(sd)
+        for n in names:
+            g[n] = g[n] + sum(p * (r - rbar) / sd * h[n] for p, h, r in rows) / len(PROMPTS)
+    for n in names:  # S = 1: |g| <= sqrt(F)
+        assert bool((g[n].abs() <= exact["F"][n].sqrt() * (1 + 1e-6) + 1e-12).all()), n
+    records = [PromptRecord(i, " ".join(map(str, p)), None, {}) for i, p in enumerate(PROMPTS)]
+    k = 600
+    cal = calibrate(exact["model"], exact["tok"], records, RLObjective(reward, normalize="grpo"),
+                    samples_per_prompt=k, max_new_tokens=MAX_NEW, seed=2, batch_size=k, progress=False)
+    assert cal.signal_scale == 1.0
+    gen = torch.Generator().manual_seed(1)
+    u = {n: torch.randn(exact["F"][n].shape, generator=gen, dtype=torch.float64) for n in names}
+    proj = lambda h: float(sum((h[n] * u[n]).sum() for n in u))  # noqa: E731
+    var = 0.0
+    for rows, sd in zip(per_prompt, sds):
+        rbar = sum(p * r for p, _, r in rows)
+        m = sum(p * (r - rbar) / sd * proj(h) for p, h, r in rows)
+        var += sum(p * ((r - rbar) / sd * proj(h) - m) ** 2 for p, h, r in rows) / (k - 1)
+    sd_est = math.sqrt(var) / len(PROMPTS)
+    exact_gu = float(sum((g[n] * u[n]).sum() for n in u))
+    mc_gu = float(sum((cal.grad_estimate[n].double() * u[n]).sum() for n in u))
+    assert abs(mc_gu - exact_gu) < 5 * sd_est, (mc_gu, exact_gu, sd_est)
