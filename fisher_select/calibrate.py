@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .distributed import all_reduce_int, all_reduce_sums, gather_objects, rank_world, seed_for_rank, shard
 from .engine import Coverage, ScoreSums, plan_coverage, score_sums
 from .errors import FisherSelectError
 from .objectives import Context, Group, Objective
@@ -187,7 +188,8 @@ class _Calibrator:
         self.eos = eos_ids_of(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else min(self.eos)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.rank, self.world = rank_world()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)
         self.progress = progress
         self.sums: ScoreSums | None = None
@@ -195,7 +197,8 @@ class _Calibrator:
         self.samples: list[dict] = []
         self.checks: dict = {}
 
-    def run(self, prompts: list[PromptRecord]) -> Calibration:
+    def run(self, all_prompts: list[PromptRecord]) -> Calibration:
+        prompts = shard(all_prompts, self.rank, self.world)  # this rank's share (all of them alone)
         rendered = [render_prompt(self.tokenizer, r) for r in prompts]
         for o in self.objectives:  # load a teacher, check data against the prompts
             o.prepare(self.ctx, prompts)
@@ -210,7 +213,9 @@ class _Calibrator:
                 batch = self._batch(groups)
                 self._score(batch, signal)
                 bar_f.update(len(groups) * self.k)
-        return self._result(len(prompts))
+        if self.world > 1:
+            self._merge_ranks()
+        return self._result(len(all_prompts))
 
     def _sample(self, records, rendered) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
@@ -275,6 +280,21 @@ class _Calibrator:
                     "signal": {name: float(s[k]) for name, s in g.signals.items()},
                     "value": {name: (v.values[k] if v.values else None) for name, v in g.values.items()},
                 })
+
+    def _merge_ranks(self) -> None:
+        """Sum every rank's accumulators and merge statistics and samples (torchrun / accelerate)."""
+        if self.sums is None:  # more ranks than prompt batches: this rank saw none
+            self.sums = ScoreSums.zeros(self.cov, len(self.objectives), self.device)
+        self.sums.count = all_reduce_int(self.sums.count, self.device)
+        all_reduce_sums(self.sums.squares, self.sums.total, self.sums.signal)
+        if self.token is not None:
+            self.token.merge_ranks()
+        for o in self.objectives:
+            o.merge_statistics(gather_objects(o.statistics_state()))
+        self.samples = [s for part in gather_objects(self.samples) for s in part]
+        checks = [c for c in gather_objects(self.checks.get("autograd")) if c]
+        if checks:
+            self.checks["autograd"] = max(checks, key=lambda c: c["max_relative_error"])
 
     def _result(self, num_prompts: int) -> Calibration:
         n = self.sums.count
@@ -379,6 +399,17 @@ class TokenLevel:
                 weights[b, batch.response_mask[b]] = a.to(weights)
             self.grads[o.name] = score_sums(*args, token_weights=weights, coverage=self.cal.cov,
                                             into=self.grads.get(o.name))
+
+    def merge_ranks(self) -> None:
+        cal = self.cal
+        if self.squares is None:
+            self.squares = ScoreSums.zeros(cal.cov, None, cal.device)
+        self.squares.count = all_reduce_int(self.squares.count, cal.device)
+        all_reduce_sums(self.squares.squares)
+        for o in self.objectives:
+            sums = self.grads.setdefault(o.name, ScoreSums.zeros(cal.cov, None, cal.device))
+            sums.count = all_reduce_int(sums.count, cal.device)
+            all_reduce_sums(sums.total)
 
     def fisher(self) -> dict[str, torch.Tensor]:
         n = self.squares.count  # samples x draws

@@ -33,6 +33,13 @@ class ScoreSums:
     total: dict[str, torch.Tensor]  # sum_n h_n
     count: int  # B
 
+    @classmethod
+    def zeros(cls, cov: "Coverage", signals: int | None, device) -> "ScoreSums":
+        """Empty sums to accumulate into; ``signals``: None, or the O of an (O, B) signal."""
+        zeros = lambda n, *lead: torch.zeros(*lead, *cov.shapes[n], dtype=torch.float32, device=device)  # noqa: E731
+        signal = None if signals is None else {n: zeros(n, signals) for n in cov.shapes}
+        return cls({n: zeros(n) for n in cov.shapes}, signal, {n: zeros(n) for n in cov.shapes}, 0)
+
 
 @dataclass
 class _User:
@@ -107,12 +114,8 @@ class _Sums:
             if signal is not None and signal.dim() == 1:  # the caller's dicts have no O axis
                 self.signal = {n: v.unsqueeze(0) for n, v in into.signal.items()}
             return
-        zeros = lambda n: torch.zeros(cov.shapes[n], dtype=torch.float32, device=device)  # noqa: E731
-        self.squares = {n: zeros(n) for n in cov.shapes}
-        self.total = {n: zeros(n) for n in cov.shapes}
-        self.signal = None
-        if self.a is not None:
-            self.signal = {n: zeros(n).expand(len(self.a), *cov.shapes[n]).clone() for n in cov.shapes}
+        fresh = ScoreSums.zeros(cov, None if self.a is None else len(self.a), device)
+        self.squares, self.total, self.signal = fresh.squares, fresh.total, fresh.signal
         self.shared: dict[str, _Shared] = {}
 
     def add_dense(self, name: str, start: int, g: torch.Tensor, rows: slice | None = None) -> None:

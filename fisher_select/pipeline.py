@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .calibrate import Calibration, calibrate, check_inputs
 from .config import RecipeConfig, build_objectives, recipe_to_dict
+from .distributed import init_from_env, rank_world
 from .models import fingerprint, load_model
 from .prompts import load_prompts
 from .report import build_report, write_run
@@ -26,14 +27,16 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     """Load model and prompts, calibrate every objective of the recipe, write the run directory."""
     out = Path(out)
     check_output_dir(out, overwrite)  # refuse before spending minutes on calibration
+    device = init_from_env(recipe.device)  # torchrun / accelerate: one rank per device
+    rank, _ = rank_world()
     prompts = load_prompts(recipe.prompts, limit=recipe.num_prompts)
     objectives = build_objectives(recipe)
     sampling = SamplingConfig(**recipe.sampling)
     check_inputs(prompts, objectives, recipe.samples_per_prompt, sampling)
-    model, tokenizer, path = load_model(recipe.model, recipe.device, recipe.dtype, recipe.quantization)
+    model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     cal = calibrate(model, tokenizer, prompts, objectives, samples_per_prompt=recipe.samples_per_prompt,
                     max_new_tokens=recipe.max_new_tokens, seed=recipe.seed, batch_size=recipe.batch_size,
-                    sampling=sampling, progress=progress)
+                    sampling=sampling, progress=progress and rank == 0)
     model_info = {"name": recipe.model, "path": str(path), "fingerprint": fingerprint(model),
                   "dtype": recipe.dtype, "quantization": recipe.quantization,
                   "architecture": type(model).__name__}
@@ -43,7 +46,8 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
                           sampling=sampling.describe(), settings=settings)
     if recipe.mix:
         report["mixed_bound"] = _mixed_summary(cal, recipe.mix)
-    write_run(out, cal, report, overwrite)
+    if rank == 0:  # every rank holds the merged result; one writes it
+        write_run(out, cal, report, overwrite)
     return RunResult(cal, report, out)
 
 

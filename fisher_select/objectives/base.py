@@ -59,6 +59,9 @@ class Objective:
     #: (a list of (L_k,) tensors) and are bounded with the token-level Fisher.
     token_level = False
     sign_draws = 1
+    #: Attributes holding per-group statistics. When the ranks of a distributed calibration
+    #: merge, lists are concatenated (in rank order) and counters summed.
+    statistics: tuple[str, ...] = ("_terms", "_zero_groups")
 
     def __init__(self, name: str | None = None):
         self.name = name or self.kind
@@ -81,6 +84,15 @@ class Objective:
         self._terms.append(out.scale_term)
         self._zero_groups += int(out.scale_term == 0.0)
         return out
+
+    def statistics_state(self) -> dict:
+        return {name: getattr(self, name) for name in self.statistics}
+
+    def merge_statistics(self, states: list[dict]) -> None:
+        """Replace this rank's statistics by the merge of every rank's ``statistics_state()``."""
+        for name in self.statistics:
+            values = [state[name] for state in states]
+            setattr(self, name, [v for part in values for v in part] if isinstance(values[0], list) else sum(values))
 
     @property
     def used(self) -> bool:

@@ -40,6 +40,8 @@ _INFINITE_WARNING = (
 class _TeacherObjective(Objective):
     """Shared teacher handling: resolved before sampling, described in reports."""
 
+    statistics = Objective.statistics + ("_infinite_groups",)
+
     def __init__(self, teacher: Teacher | TeacherConfig, name: str | None = None):
         super().__init__(name)
         self.spec = teacher
@@ -62,6 +64,7 @@ class OPDPGObjective(_TeacherObjective):
     """PG-style on-policy distillation: a = sigma - E[sigma|x], S = E_x Var_pi(sigma|x)."""
 
     kind = "opd-pg"
+    statistics = _TeacherObjective.statistics + ("_sigma_means",)
     signal_formula = "sigma - mean_{j!=k} sigma_j,  sigma = log T(y|x) - log pi(y|x)  (leave-one-out)"
     scale_formula = "E_x Var_pi(sigma|x)  (unbiased within-prompt variance, divisor K-1)"
     data_needs = ("prompts and a teacher with the model's tokenizer: another model, or the model itself "
@@ -114,6 +117,8 @@ class OPDFullObjective(_TeacherObjective):
         "(cross-token terms vanish), so the two estimates differ only by noise.",
         "A teacher with probability 0 for a token the model can produce makes KL and S infinite (no bound).",
     )
+
+    statistics = _TeacherObjective.statistics + ("_sampled_terms",)
 
     def __init__(self, teacher: Teacher | TeacherConfig, sign_draws: int = 1, name: str | None = None):
         super().__init__(teacher, name)

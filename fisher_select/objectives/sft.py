@@ -55,6 +55,8 @@ class SFTObjective(Objective):
         "bound loose (or vacuous).",
     )
 
+    statistics = Objective.statistics + ("_log_w", "_clipped")
+
     def __init__(self, demonstrator: Teacher | TeacherConfig, name: str | None = None):
         super().__init__(name)
         self.spec = demonstrator

@@ -1,0 +1,64 @@
+"""Data-parallel calibration under torchrun / accelerate: each rank samples and scores its own
+share of the prompts; sums, counts, objective statistics and samples are merged at the end.
+
+Nothing here runs unless ``torch.distributed`` is initialised (``init_from_env`` does that when
+the launcher set ``WORLD_SIZE > 1``); a single process behaves exactly as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_from_env(device: str) -> str:
+    """Join the process group a launcher describes; return this rank's device.
+
+    ``device="cuda"`` becomes ``cuda:<LOCAL_RANK>`` so each rank drives its own GPU.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, device_id=torch.device(device) if backend == "nccl" else None)
+    return device
+
+
+def seed_for_rank(seed: int, rank: int) -> int:
+    """Rank 0 keeps the seed (single-process runs are unchanged); other ranks get their own stream."""
+    return seed + 1_000_003 * rank
+
+
+def shard(items: list, rank: int, world: int) -> list:
+    """Every world-th item starting at rank: balanced to within one prompt."""
+    return items[rank::world]
+
+
+def all_reduce_sums(*dicts: dict[str, torch.Tensor]) -> None:
+    """Sum tensors in place across ranks (fp32 accumulators stay fp32)."""
+    for tensors in dicts:
+        for t in tensors.values():
+            dist.all_reduce(t)
+
+
+def all_reduce_int(value: int, device) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
