@@ -284,7 +284,7 @@ class _Calibrator:
     def _merge_ranks(self) -> None:
         """Sum every rank's accumulators and merge statistics and samples (torchrun / accelerate)."""
         if self.sums is None:  # more ranks than prompt batches: this rank saw none
-            self.sums = ScoreSums.zeros(self.cov, len(self.objectives), self.device)
+            self.sums = ScoreSums.zeros(self.cov, len(self.objectives))
         self.sums.count = all_reduce_int(self.sums.count, self.device)
         all_reduce_sums(self.sums.squares, self.sums.total, self.sums.signal)
         if self.token is not None:
@@ -403,11 +403,11 @@ class TokenLevel:
     def merge_ranks(self) -> None:
         cal = self.cal
         if self.squares is None:
-            self.squares = ScoreSums.zeros(cal.cov, None, cal.device)
+            self.squares = ScoreSums.zeros(cal.cov, None)
         self.squares.count = all_reduce_int(self.squares.count, cal.device)
         all_reduce_sums(self.squares.squares)
         for o in self.objectives:
-            sums = self.grads.setdefault(o.name, ScoreSums.zeros(cal.cov, None, cal.device))
+            sums = self.grads.setdefault(o.name, ScoreSums.zeros(cal.cov, None))
             sums.count = all_reduce_int(sums.count, cal.device)
             all_reduce_sums(sums.total)
 

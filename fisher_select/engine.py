@@ -34,9 +34,15 @@ class ScoreSums:
     count: int  # B
 
     @classmethod
-    def zeros(cls, cov: "Coverage", signals: int | None, device) -> "ScoreSums":
-        """Empty sums to accumulate into; ``signals``: None, or the O of an (O, B) signal."""
-        zeros = lambda n, *lead: torch.zeros(*lead, *cov.shapes[n], dtype=torch.float32, device=device)  # noqa: E731
+    def zeros(cls, cov: "Coverage", signals: int | None) -> "ScoreSums":
+        """Empty sums to accumulate into; ``signals``: None, or the O of an (O, B) signal.
+
+        Each accumulator lives on its parameter's device, so a model spread over several GPUs
+        (``device_map="auto"``) accumulates where its per-sample gradients are computed.
+        """
+        def zeros(n, *lead):
+            return torch.zeros(*lead, *cov.shapes[n], dtype=torch.float32, device=cov.params[n].device)
+
         signal = None if signals is None else {n: zeros(n, signals) for n in cov.shapes}
         return cls({n: zeros(n) for n in cov.shapes}, signal, {n: zeros(n) for n in cov.shapes}, 0)
 
@@ -106,15 +112,18 @@ def plan_coverage(model: nn.Module) -> Coverage:
 class _Sums:
     """fp32 accumulators and the bookkeeping for parameters with several contributions."""
 
-    def __init__(self, cov: Coverage, signal: torch.Tensor | None, device, into: ScoreSums | None):
-        # a: (O, B) -- one row per objective; a 1-D signal is one objective.
-        self.a = signal.float().to(device).reshape(-1, signal.shape[-1]) if signal is not None else None
+    def __init__(self, cov: Coverage, signal: torch.Tensor | None, into: ScoreSums | None):
+        # a: (O, B) -- one row per objective; a 1-D signal is one objective. Dense pieces use it
+        # as Python floats (no device sync per piece), sparse ones as a tensor on their device.
+        self.a = signal.detach().float().reshape(-1, signal.shape[-1]) if signal is not None else None
+        self.a_list = self.a.tolist() if self.a is not None else None
+        self._a_on: dict = {}
         if into is not None:
             self.squares, self.total, self.signal = into.squares, into.total, into.signal
             if signal is not None and signal.dim() == 1:  # the caller's dicts have no O axis
                 self.signal = {n: v.unsqueeze(0) for n, v in into.signal.items()}
             return
-        fresh = ScoreSums.zeros(cov, None if self.a is None else len(self.a), device)
+        fresh = ScoreSums.zeros(cov, None if self.a is None else len(self.a))
         self.squares, self.total, self.signal = fresh.squares, fresh.total, fresh.signal
         self.shared: dict[str, _Shared] = {}
 
@@ -134,13 +143,19 @@ class _Sums:
             sq.addcmul_(gi, gi)
             if sig is not None:
                 for o in range(sig.shape[0]):
-                    sig[o].add_(gi, alpha=float(self.a[o, start + i]))
+                    sig[o].add_(gi, alpha=self.a_list[o][start + i])
+
+    def a_at(self, device) -> torch.Tensor:
+        """The (O, B) signal on ``device`` (copied once per device)."""
+        if device not in self._a_on:
+            self._a_on[device] = self.a.to(device)
+        return self._a_on[device]
 
     def add_sparse(self, name: str, sample, row, value) -> None:
         """value: (M, d) gradients of sample[m] at row[m], (sample, row) pairs unique."""
         self.total[name].index_add_(0, row, value)
         if self.a is not None:
-            self.signal[name].index_add_(1, row, self.a[:, sample, None] * value)  # (O, M, d)
+            self.signal[name].index_add_(1, row, self.a_at(sample.device)[:, sample, None] * value)  # (O, M, d)
         self.squares[name].index_add_(0, row, value.square())
 
 
@@ -190,7 +205,7 @@ class _Shared:
         s = self.sums
         s.total[self.name].index_add_(0, row, e)
         if s.a is not None:
-            s.signal[self.name].index_add_(1, row, s.a[:, sample, None] * e)
+            s.signal[self.name].index_add_(1, row, s.a_at(sample.device)[:, sample, None] * e)
         s.squares[self.name].index_add_(0, row, (d + e).square() - d.square())
 
 
@@ -345,8 +360,7 @@ def score_sums(
         raise FisherSelectError(f"signal must have shape ({batch},) or (objectives, {batch}), got {tuple(signal.shape)}")
     cov = coverage or plan_coverage(model)
     check_layout(model)
-    device = input_ids.device
-    sums = _Sums(cov, signal, device, into)
+    sums = _Sums(cov, signal, into)
     run = _Pass(cov, sums, block)
     with _frozen_for_pass(cov), run.hooks():
         logp = response_logprobs(model, input_ids, attention_mask, response_mask, token_weights)  # (B,)

@@ -61,8 +61,9 @@ def response_logprobs(
     start = int(columns[0]) - 1  # the first logits column any response token needs
     logits = forward_logits(model, input_ids, attention_mask, input_ids.shape[1] - start)  # (B, T-start, V)
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # fp32 always
-    per_token = logp.gather(-1, input_ids[:, start + 1 :, None]).squeeze(-1)  # (B, T-start-1)
-    weights = response_mask[:, start + 1 :].float()
+    here = logits.device  # the output head's device, when a model spans several
+    per_token = logp.gather(-1, input_ids[:, start + 1 :, None].to(here)).squeeze(-1)  # (B, T-start-1)
+    weights = response_mask[:, start + 1 :].to(here).float()
     if token_weights is not None:
-        weights = weights * token_weights[:, start + 1 :].float()
+        weights = weights * token_weights[:, start + 1 :].to(here).float()
     return (per_token * weights).sum(-1)

@@ -261,6 +261,8 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32", quantizat
         )
     path = resolve_model_path(spec)
     extra = _quantization_kwargs(quantization, device, _DTYPES[dtype])
+    if device == "auto" and not extra:  # spread a model too large for one device (accelerate)
+        extra = {"device_map": "auto"}
     try:
         with _quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
@@ -276,7 +278,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32", quantizat
     if getattr(model.generation_config, "pad_token_id", None) is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.eval()
-    if extra:  # quantized weights are placed by device_map and cannot be moved afterwards
+    if extra:  # placed by device_map (quantized or spread over devices); not moved afterwards
         return model, tokenizer, path
     return _to_device(model, device), tokenizer, path
 

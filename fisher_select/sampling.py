@@ -95,7 +95,7 @@ def sample_responses(
     eos = torch.tensor(sorted(eos_ids), device=device)
     cache_kw = _cache_keyword(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
-    cache, logits = _cache_of(out), out.logits[:, -1]
+    cache, logits = _cache_of(out), out.logits[:, -1].to(device)
     batch = ids.shape[0]
     active = torch.ones(batch, dtype=torch.bool, device=device)
     ended = torch.zeros_like(active)
@@ -118,7 +118,7 @@ def sample_responses(
             break
         pos = position_ids_from_mask(mask)[:, -1:]
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
-        cache, logits = _cache_of(out), out.logits[:, -1]
+        cache, logits = _cache_of(out), out.logits[:, -1].to(device)
     toks = torch.stack(tokens, 1).cpu()  # (B, L)
     lps = torch.stack(logps, 1).double().cpu()  # (B, L)
     return [
