@@ -398,7 +398,7 @@ class TokenLevel:
             for b, a in enumerate(rows):
                 weights[b, batch.response_mask[b]] = a.to(weights)
             self.grads[o.name] = score_sums(*args, token_weights=weights, coverage=self.cal.cov,
-                                            into=self.grads.get(o.name))
+                                            into=self.grads.get(o.name), squares=False)
 
     def merge_ranks(self) -> None:
         cal = self.cal
@@ -407,7 +407,7 @@ class TokenLevel:
         self.squares.count = all_reduce_int(self.squares.count, cal.device)
         all_reduce_sums(self.squares.squares)
         for o in self.objectives:
-            sums = self.grads.setdefault(o.name, ScoreSums.zeros(cal.cov, None))
+            sums = self.grads.setdefault(o.name, ScoreSums.zeros(cal.cov, None, squares=False))
             sums.count = all_reduce_int(sums.count, cal.device)
             all_reduce_sums(sums.total)
 

@@ -28,13 +28,13 @@ DEFAULT_BLOCK = 1 << 19  # elements in one dense per-sample piece (2 MiB fp32: s
 class ScoreSums:
     """Sums over the batch's samples n of per-sample scores h_n (fp32, parameter-shaped)."""
 
-    squares: dict[str, torch.Tensor]  # sum_n h_n**2
+    squares: dict[str, torch.Tensor] | None  # sum_n h_n**2 (None when not asked for)
     signal: dict[str, torch.Tensor] | None  # sum_n a_n h_n, when a signal was given
     total: dict[str, torch.Tensor]  # sum_n h_n
     count: int  # B
 
     @classmethod
-    def zeros(cls, cov: "Coverage", signals: int | None) -> "ScoreSums":
+    def zeros(cls, cov: "Coverage", signals: int | None, squares: bool = True) -> "ScoreSums":
         """Empty sums to accumulate into; ``signals``: None, or the O of an (O, B) signal.
 
         Each accumulator lives on its parameter's device, so a model spread over several GPUs
@@ -44,7 +44,8 @@ class ScoreSums:
             return torch.zeros(*lead, *cov.shapes[n], dtype=torch.float32, device=cov.params[n].device)
 
         signal = None if signals is None else {n: zeros(n, signals) for n in cov.shapes}
-        return cls({n: zeros(n) for n in cov.shapes}, signal, {n: zeros(n) for n in cov.shapes}, 0)
+        sq = {n: zeros(n) for n in cov.shapes} if squares else None
+        return cls(sq, signal, {n: zeros(n) for n in cov.shapes}, 0)
 
 
 @dataclass
@@ -112,7 +113,7 @@ def plan_coverage(model: nn.Module) -> Coverage:
 class _Sums:
     """fp32 accumulators and the bookkeeping for parameters with several contributions."""
 
-    def __init__(self, cov: Coverage, signal: torch.Tensor | None, into: ScoreSums | None):
+    def __init__(self, cov: Coverage, signal: torch.Tensor | None, into: ScoreSums | None, squares: bool = True):
         # a: (O, B) -- one row per objective; a 1-D signal is one objective. Dense pieces use it
         # as Python floats (no device sync per piece), sparse ones as a tensor on their device.
         self.a = signal.detach().float().reshape(-1, signal.shape[-1]) if signal is not None else None
@@ -123,7 +124,7 @@ class _Sums:
             if signal is not None and signal.dim() == 1:  # the caller's dicts have no O axis
                 self.signal = {n: v.unsqueeze(0) for n, v in into.signal.items()}
             return
-        fresh = ScoreSums.zeros(cov, None if self.a is None else len(self.a))
+        fresh = ScoreSums.zeros(cov, None if self.a is None else len(self.a), squares)
         self.squares, self.total, self.signal = fresh.squares, fresh.total, fresh.signal
         self.shared: dict[str, _Shared] = {}
 
@@ -132,15 +133,18 @@ class _Sums:
 
         One fused pass per sample (add, axpy, addcmul) while the piece is still in cache.
         """
-        sq, tot = self.squares[name], self.total[name]
+        sq = self.squares[name] if self.squares is not None else None
+        tot = self.total[name]
         sig = self.signal[name] if self.a is not None else None
         if rows is not None:
-            sq, tot = sq[rows], tot[rows]
+            tot = tot[rows]
+            sq = sq[rows] if sq is not None else None
             sig = sig[:, rows] if sig is not None else None
         for i in range(g.shape[0]):
             gi = g[i]
             tot.add_(gi)
-            sq.addcmul_(gi, gi)
+            if sq is not None:
+                sq.addcmul_(gi, gi)
             if sig is not None:
                 for o in range(sig.shape[0]):
                     sig[o].add_(gi, alpha=self.a_list[o][start + i])
@@ -156,7 +160,8 @@ class _Sums:
         self.total[name].index_add_(0, row, value)
         if self.a is not None:
             self.signal[name].index_add_(1, row, self.a_at(sample.device)[:, sample, None] * value)  # (O, M, d)
-        self.squares[name].index_add_(0, row, value.square())
+        if self.squares is not None:
+            self.squares[name].index_add_(0, row, value.square())
 
 
 class _Shared:
@@ -206,7 +211,8 @@ class _Shared:
         s.total[self.name].index_add_(0, row, e)
         if s.a is not None:
             s.signal[self.name].index_add_(1, row, s.a_at(sample.device)[:, sample, None] * e)
-        s.squares[self.name].index_add_(0, row, (d + e).square() - d.square())
+        if s.squares is not None:
+            s.squares[self.name].index_add_(0, row, (d + e).square() - d.square())
 
 
 @contextmanager
@@ -341,6 +347,7 @@ def score_sums(
     block: int = DEFAULT_BLOCK,
     coverage: Coverage | None = None,
     into: ScoreSums | None = None,
+    squares: bool = True,
 ) -> ScoreSums:
     """Exact sums over the batch of per-sample scores, their squares and signal-weighted scores.
 
@@ -351,7 +358,8 @@ def score_sums(
     ``token_weights``: (B, T) optional per-token weights w (then h_n is the gradient of
     ``sum_t w_t log pi(y_t | s_t)``). Keys are ``model.named_parameters()`` names, tied once.
     The model's mode (eval/train) is left as it is; calibrate() uses eval mode. ``into``: add
-    to these running sums instead of allocating new ones (same signal layout).
+    to these running sums instead of allocating new ones (same signal layout). ``squares=False``
+    skips the squared scores (a gradient-only pass); ``.squares`` is then None.
     """
     batch = input_ids.shape[0]
     if response_mask[:, 0].any():
@@ -360,7 +368,7 @@ def score_sums(
         raise FisherSelectError(f"signal must have shape ({batch},) or (objectives, {batch}), got {tuple(signal.shape)}")
     cov = coverage or plan_coverage(model)
     check_layout(model)
-    sums = _Sums(cov, signal, into)
+    sums = _Sums(cov, signal, into, squares)
     run = _Pass(cov, sums, block)
     with _frozen_for_pass(cov), run.hooks():
         logp = response_logprobs(model, input_ids, attention_mask, response_mask, token_weights)  # (B,)

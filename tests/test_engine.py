@@ -153,3 +153,14 @@ def test_bad_arguments():
     resp[:, 0] = False
     with pytest.raises(FisherSelectError, match="signal must have shape"):
         score_sums(model, ids, attn, resp, signal[:2])
+
+
+def test_gradient_only_pass_skips_squares():
+    model = tiny_model("llama-tied")  # tied head: the shared-parameter path too
+    ids, attn, resp, signal = random_batch()
+    full = score_sums(model, ids, attn, resp, signal)
+    grad_only = score_sums(model, ids, attn, resp, signal, squares=False)
+    assert grad_only.squares is None
+    for n in full.total:
+        assert torch.equal(grad_only.total[n], full.total[n])
+        assert torch.equal(grad_only.signal[n], full.signal[n])
