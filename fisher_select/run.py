@@ -67,18 +67,19 @@ class Run:
         returns ``sqrt(F)`` then (same ranking) -- check ``signal_scale`` before using absolute
         thresholds.
         """
-        scale = self._scale_of(objective)
+        scale = self.signal_scale_of(objective)
         root = math.sqrt(scale) if scale is not None else 1.0
         return {name: f.clamp_min(0).sqrt() * root for name, f in self.fisher.items()}
 
-    def _scale_of(self, objective: str | None) -> float | None:
+    def signal_scale_of(self, objective: str | None) -> float | None:
+        """S of ``objective`` (default: the primary one); an error for an unknown objective name."""
         if objective is None:
             return self.signal_scale
         for entry in self.objectives:
             if entry["name"] == objective:
                 return entry.get("signal_scale")
         names = ", ".join(e["name"] for e in self.objectives)
-        raise FisherSelectError(f"run has no objective {objective!r}; it has: {names}")
+        raise FisherSelectError(f"run {self.run_id} has no objective {objective!r}; it has: {names}")
 
 
 def load_run(run: "str | os.PathLike | Run") -> Run:

@@ -99,7 +99,7 @@ def select_masks(
         raise FisherSelectError(
             "--per-module has no meaning for --threshold (it is already per coordinate); drop one"
         )
-    scale = _signal_scale(run, objective)
+    scale = run.signal_scale_of(objective)
     if rule == "threshold" and scale is None:
         raise FisherSelectError(
             f"--threshold needs the objective's signal scale S, which run {run.run_id} does not "
@@ -127,17 +127,6 @@ def _check_rule(top, mass, threshold) -> tuple[str, float]:
     if rule == "threshold" and not (math.isfinite(value) and value >= 0.0):
         raise FisherSelectError(f"--threshold {value} must be a finite number >= 0")
     return rule, value
-
-
-def _signal_scale(run: Run, objective: str | None) -> float | None:
-    """S of ``objective`` (default: the primary one); errors for an unknown objective name."""
-    if objective is None:
-        return run.signal_scale
-    for entry in run.objectives:
-        if entry["name"] == objective:
-            return entry.get("signal_scale")
-    names = ", ".join(e["name"] for e in run.objectives)
-    raise FisherSelectError(f"run {run.run_id} has no objective {objective!r}; it has: {names}")
 
 
 # ---------------------------------------------------------------------------
