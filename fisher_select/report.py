@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .run import BOUNDS_FILE, FISHER_FILE, GRAD_FILE, REPORT_FILE, save_tensors, write_atomically, write_json
+from .run import (BOUNDS_FILE, FISHER_FILE, GRAD_FILE, REPORT_FILE, TOKEN_FISHER_FILE, save_tensors,
+                  write_atomically, write_json)
 
 CAVEATS = [
     "Single step, in expectation: the bound limits the EXPECTED gradient of one objective at the "
@@ -126,7 +127,7 @@ def write_run(out: Path, cal, report: dict, overwrite: bool) -> None:
         meta = {"run_id": report["run_id"], "model": report["model"]["name"]}
         save_tensors(tmp / FISHER_FILE, cal.fisher, meta)
         if cal.token_fisher is not None:
-            save_tensors(tmp / "fisher_token.safetensors", cal.token_fisher, meta)
+            save_tensors(tmp / TOKEN_FISHER_FILE, cal.token_fisher, meta)
         scale = cal.signal_scale
         if scale is not None and math.isfinite(scale):
             save_tensors(tmp / BOUNDS_FILE, cal.bound(), {**meta, "signal_scale": scale})

@@ -31,6 +31,7 @@ from .errors import FisherSelectError
 FISHER_FILE = "fisher.safetensors"
 BOUNDS_FILE = "bounds.safetensors"
 GRAD_FILE = "grad_estimate.safetensors"
+TOKEN_FISHER_FILE = "fisher_token.safetensors"
 REPORT_FILE = "report.json"
 
 
@@ -41,6 +42,7 @@ class Run:
     report: dict
     fisher: dict[str, torch.Tensor]
     path: Path | None = None
+    token_fisher: dict[str, torch.Tensor] | None = None  # F^tok, for token-level objectives
     _grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
@@ -58,7 +60,7 @@ class Run:
     @property
     def signal_scale(self) -> float | None:
         """S of the primary (first) objective; None when unknown (e.g. SFT without a density)."""
-        return self.objectives[0].get("signal_scale")
+        return self.signal_scale_of(None)
 
     def bound(self, objective: str | None = None) -> dict[str, torch.Tensor]:
         """``sqrt(F_i * S)`` per coordinate for one objective (default: the primary one).
@@ -68,16 +70,24 @@ class Run:
         thresholds.
         """
         scale = self.signal_scale_of(objective)
-        root = math.sqrt(scale) if scale is not None else 1.0
-        return {name: f.clamp_min(0).sqrt() * root for name, f in self.fisher.items()}
+        root = math.sqrt(scale) if scale is not None else 1.0  # inf when S is infinite: no bound
+        # F_i = 0 means h_i = 0 on every response, so g_i = 0 whatever S is (avoid 0 * inf).
+        return {name: torch.where(f > 0, f.sqrt() * root, 0.0) for name, f in self.fisher_for(objective).items()}
+
+    def fisher_for(self, objective: str | None = None) -> dict[str, torch.Tensor]:
+        """The Fisher an objective's bound uses: F^tok for token-level objectives, else F."""
+        entry = self._entry(objective)
+        return self.token_fisher if entry.get("token_level") and self.token_fisher is not None else self.fisher
 
     def signal_scale_of(self, objective: str | None) -> float | None:
         """S of ``objective`` (default: the primary one); an error for an unknown objective name."""
-        if objective is None:
-            return self.signal_scale
+        value = self._entry(objective).get("signal_scale")
+        return None if value is None else float(value)  # JSON holds an infinite S as "inf"
+
+    def _entry(self, objective: str | None) -> dict:
         for entry in self.objectives:
-            if entry["name"] == objective:
-                return entry.get("signal_scale")
+            if objective is None or entry["name"] == objective:
+                return entry
         names = ", ".join(e["name"] for e in self.objectives)
         raise FisherSelectError(f"run {self.run_id} has no objective {objective!r}; it has: {names}")
 
@@ -94,7 +104,9 @@ def load_run(run: "str | os.PathLike | Run") -> Run:
             "pass the --out directory of `fisher-select calibrate`"
         )
     report = json.loads(report_path.read_text())
-    return Run(report=report, fisher=load_file(str(path / FISHER_FILE)), path=path)
+    token = path / TOKEN_FISHER_FILE
+    return Run(report=report, fisher=load_file(str(path / FISHER_FILE)), path=path,
+               token_fisher=load_file(str(token)) if token.is_file() else None)
 
 
 def write_atomically(out: Path, writer: Callable[[Path], None], overwrite: bool) -> None:

@@ -140,15 +140,15 @@ def _unit_values(run, rule, structured, scale, objective) -> dict[str, torch.Ten
     F for top and mass. Structured: summed F per row/column (fp64) for top and mass, the unit
     bound ``sqrt(S * F_u)`` for threshold.
     """
-    for name, f in run.fisher.items():
+    for name, f in run.fisher_for(objective).items():
         if not torch.isfinite(f).all():
             raise FisherSelectError(
                 f"run {run.run_id}: Fisher of {name} holds NaN/inf values; recalibrate this run"
             )
     if structured is None:
-        source = run.bound(objective) if rule == "threshold" else run.fisher
+        source = run.bound(objective) if rule == "threshold" else run.fisher_for(objective)
         return {name: _nonnegative(t.detach().float().reshape(-1)) for name, t in source.items()}
-    units = {name: _unit_sums(f, structured) for name, f in run.fisher.items()}
+    units = {name: _unit_sums(f, structured) for name, f in run.fisher_for(objective).items()}
     if rule == "threshold":
         root = math.sqrt(scale)
         units = {name: u.sqrt() * root for name, u in units.items()}
