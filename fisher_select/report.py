@@ -155,5 +155,12 @@ def summary_lines(report: dict, top: int = 8) -> list[str]:
     for m in report["modules"][:top]:
         bound = f"{m['bound_max']:.3g}" if m["bound_max"] is not None else "n/a (S unknown)"
         lines.append(f"  {m['mass_share']:6.1%}  {m['name']:<45} bound max {bound}")
+    if report["truncation_rate"] > 0.1:
+        lines.append(f"warning: {report['truncation_rate']:.0%} of responses were cut at max_new_tokens: a cut "
+                     "response is not a full sample of the model, so F describes the truncated distribution; "
+                     "raise --max-new-tokens if training uses longer responses")
+    for o in report["objectives"]:
+        for w in o.get("warnings", []):
+            lines.append(f"warning ({o['name']}): {w}")
     lines.append(CAVEAT_LINE)
     return lines
