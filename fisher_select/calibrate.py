@@ -201,7 +201,7 @@ class _Calibrator:
         prompts = shard(all_prompts, self.rank, self.world)  # this rank's share (all of them alone)
         rendered = [render_prompt(self.tokenizer, r) for r in prompts]
         for o in self.objectives:  # load a teacher, check data against the prompts
-            o.prepare(self.ctx, prompts)
+            o.prepare(self.ctx, all_prompts)  # all of them: finish() results must not depend on the rank
         total = len(prompts) * self.k
         bar_s = tqdm(total=total, desc="sampling", unit="sample", disable=not self.progress)
         bar_f = tqdm(total=total, desc="scoring ", unit="sample", disable=not self.progress)
