@@ -43,12 +43,33 @@ def _llama_with_unknown_module():
     return model
 
 
+class TwiceLM(nn.Module):
+    """A causal LM whose middle Linear runs twice per forward (weight sharing across depth):
+    its per-sample gradient is the sum of both calls' parts before squaring."""
+
+    def __init__(self, vocab=64, d=16):
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": vocab})()
+        self.embed = nn.Embedding(vocab, d)
+        self.shared = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **kwargs):
+        mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).float()[..., None]
+        h = self.embed(input_ids) * mask  # (B, T, d); padding contributes nothing
+        h = torch.tanh(self.shared(h)) * mask  # keep padding out of the causal mix
+        h = h.cumsum(1) / mask.cumsum(1).clamp_min(1)  # causal mixing over real tokens
+        h = torch.tanh(self.shared(h)) + h
+        return type("Out", (), {"logits": self.head(h)})()
+
+
 TINY_MODELS = {
     "llama-tied": lambda: _llama(tied=True),
     "llama-untied": lambda: _llama(tied=False),
     "qwen2-bias": _qwen2,
     "gpt2": _gpt2,
     "llama-fallback": _llama_with_unknown_module,
+    "linear-called-twice": TwiceLM,
 }
 
 
