@@ -93,6 +93,8 @@ def test_rules_resolve_along_class_hierarchy_and_by_norm_name():
 
     assert isinstance(lookup(MyLinear(2, 3)), LinearRule)
     assert isinstance(lookup(tiny_model("gpt2").transformer.ln_f), LayerNormRule)
+    assert isinstance(lookup(torch.nn.GroupNorm(2, 4)), FunctionalNormRule)  # per-sample: exact by vjp
+    assert lookup(torch.nn.BatchNorm1d(4)) is None  # batch statistics couple samples: the fallback
 
 
 def test_coverage_claims_every_parameter_once():

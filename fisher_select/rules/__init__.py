@@ -20,7 +20,6 @@ from .linear import LinearRule
 from .norm import FunctionalNormRule, LayerNormRule, RMSNormRule
 
 _REGISTRY: dict[type, Rule] = {}
-_NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "Norm")
 
 
 def register(cls: type, rule: Rule) -> None:
@@ -35,7 +34,7 @@ def lookup(module: nn.Module) -> Rule | None:
     for cls in type(module).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
-    if type(module).__name__.endswith(_NORM_SUFFIXES) and FunctionalNormRule.accepts(module):
+    if type(module).__name__.endswith("Norm") and FunctionalNormRule.accepts(module):
         return FUNCTIONAL_NORM
     return None
 

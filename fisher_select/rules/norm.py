@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .base import Contribution, Rule
 
@@ -44,6 +45,8 @@ class RMSNormRule(Rule):
 class FunctionalNormRule(Rule):
     @staticmethod
     def accepts(module) -> bool:
+        if isinstance(module, _BatchNorm):  # batch statistics couple samples: exact fallback instead
+            return False
         names = {n for n, _ in module.named_parameters(recurse=False)}
         has_child_params = any(True for c in module.children() for _ in c.parameters())
         return bool(names) and names <= {"weight", "bias"} and not has_child_params
