@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import apply_overrides, find_recipe, load_recipe
+from ..distributed import rank_world
 from ..pipeline import run_recipe
 from ..report import summary_lines
 
@@ -31,6 +32,8 @@ def run(args) -> int:
     recipe = apply_overrides(recipe, {k: getattr(args, k) for k in _OVERRIDES}, f"{path} + command line")
     result = run_recipe(recipe, args.out, overwrite=args.overwrite, progress=not args.no_progress,
                         recipe_name=path.stem)
+    if rank_world()[0] != 0:  # under torchrun / accelerate, rank 0 writes and reports
+        return 0
     for line in summary_lines(result.report):
         print(line)
     print(f"wrote {result.out}")
