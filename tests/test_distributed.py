@@ -68,3 +68,34 @@ def test_two_ranks_merge_to_the_combined_single_process_result(tmp_path):
     # S is the mean over all prompts of per-prompt variances: prompt-weighted, not rank-weighted.
     want_s = sum(p.signal_scale * p.num_prompts for p in parts) / len(PROMPTS)
     assert merged["S"] == pytest.approx(want_s, rel=1e-12)
+
+
+def test_torchrun_cli_writes_one_merged_run(tmp_path, embedded):
+    """`torchrun --nproc_per_node 2 -m fisher_select calibrate ...`: rank 0 writes the merged run."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok, _ = embedded
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": i}) + "\n" for i in range(5)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "fisher_select", "calibrate", "--model", str(tmp_path / "model"), "--prompts", str(prompts),
+           "--num-prompts", "5", "--samples-per-prompt", "2", "--max-new-tokens", "3", "--no-progress",
+           "--out", str(tmp_path / "run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("wrote ") == 1  # one rank reports
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["num_prompts"] == 5 and report["num_samples"] == 10
+    lines = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["prompt_index"] for line in lines) == sorted(list(range(5)) * 2)
