@@ -41,6 +41,8 @@ def test_run_directory_is_complete(demo_run):
     samples = [json.loads(line) for line in (demo_run / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"prompt_ids", "response_ids", "response", "logprob", "truncated"} <= set(samples[0])
     assert report["checks"]["autograd"]["max_relative_error"] < 1e-3
+    page = (demo_run / "report.html").read_text()
+    assert "do not promise" in page and page.count("<svg") == 3 and report["run_id"] in page
 
 
 def test_report_numbers_agree_with_tensors(demo_run):
