@@ -72,19 +72,12 @@ def test_quantized_fisher_matches_dequantized_fp32_model(kind, tol):
 
 def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
     """The whole path: transformers' BitsAndBytesConfig on CPU, then calibrate()."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from fisher_select.calibrate import calibrate
     from fisher_select.objectives import RLObjective
     from fisher_select.prompts import PromptRecord
+    from tests.tiny import save_small_llama
 
-    _, tok, _ = embedded
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    save_small_llama(tmp_path, embedded[1])
     model, tokenizer, _ = load_model(str(tmp_path), quantization="nf4")
     layer = model.model.layers[0].mlp.up_proj
     assert isinstance(layer, bnb.nn.Linear4bit)

@@ -76,15 +76,9 @@ def test_torchrun_cli_writes_one_merged_run(tmp_path, embedded):
     import subprocess
     import sys
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny import save_small_llama
 
-    _, tok, _ = embedded
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
+    save_small_llama(tmp_path / "model", embedded[1], hidden=32, intermediate=64, layers=1)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": i}) + "\n" for i in range(5)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

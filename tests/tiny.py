@@ -145,3 +145,15 @@ def run_command(argv):
 
     args = build_parser().parse_args(argv)
     return args.func(args)
+
+
+def save_small_llama(path, tokenizer, hidden=64, intermediate=128, layers=2):
+    """A small random Llama with a real tokenizer, saved as a model directory (for load_model / CLI)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
