@@ -17,9 +17,11 @@ from tqdm.auto import tqdm
 from .distributed import all_reduce_int, all_reduce_sums, gather_objects, rank_world, seed_for_rank, shard
 from .engine import Coverage, ScoreSums, plan_coverage, score_sums
 from .errors import FisherSelectError
+from .logprob import response_logprobs
 from .objectives import Context, Group, Objective
 from .prompts import PromptRecord, render_prompt
 from .rules.bnb import keep_trainable_layout
+from .run import coordinate_bound
 from .sampling import SamplingConfig, left_pad, sample_responses
 
 
@@ -75,10 +77,7 @@ class Calibration:
 
     def bound(self, objective: str | None = None) -> dict[str, torch.Tensor]:
         """``sqrt(F_i * S)``; ``sqrt(F_i)`` when S is unknown (same ranking, no absolute scale)."""
-        scale = self.objective(objective).signal_scale
-        root = 1.0 if scale is None else math.sqrt(scale)  # inf when S is infinite: no bound
-        # F_i = 0 means h_i = 0 on every response, so g_i = 0 whatever S is (avoid 0 * inf).
-        return {n: torch.where(f > 0, f.sqrt() * root, 0.0) for n, f in self.fisher_for(objective).items()}
+        return coordinate_bound(self.fisher_for(objective), self.objective(objective).signal_scale)
 
     def mixed_bound(self, weights: dict[str, float]) -> dict[str, torch.Tensor]:
         """``sum_o |c_o| sqrt(F^(o)_i S_o)`` for a weighted mix of objectives on the same samples.
@@ -324,8 +323,6 @@ def verify_against_autograd(model, input_ids, attention_mask, response_mask, sum
     A parameter used outside the module that holds it (a functional matmul with another
     module's weight) would be missed by the hooks; this catches it on the first batch.
     """
-    from .logprob import response_logprobs
-
     params = {n: p for n, p in cov.params.items() if p.is_floating_point() and tuple(p.shape) == cov.shapes[n]}
     saved = {n: p.requires_grad for n, p in params.items()}
     try:

@@ -69,10 +69,7 @@ class Run:
         returns ``sqrt(F)`` then (same ranking) -- check ``signal_scale`` before using absolute
         thresholds.
         """
-        scale = self.signal_scale_of(objective)
-        root = math.sqrt(scale) if scale is not None else 1.0  # inf when S is infinite: no bound
-        # F_i = 0 means h_i = 0 on every response, so g_i = 0 whatever S is (avoid 0 * inf).
-        return {name: torch.where(f > 0, f.sqrt() * root, 0.0) for name, f in self.fisher_for(objective).items()}
+        return coordinate_bound(self.fisher_for(objective), self.signal_scale_of(objective))
 
     def fisher_for(self, objective: str | None = None) -> dict[str, torch.Tensor]:
         """The Fisher an objective's bound uses: F^tok for token-level objectives, else F."""
@@ -90,6 +87,13 @@ class Run:
                 return entry
         names = ", ".join(e["name"] for e in self.objectives)
         raise FisherSelectError(f"run {self.run_id} has no objective {objective!r}; it has: {names}")
+
+
+def coordinate_bound(fisher: dict[str, torch.Tensor], scale: float | None) -> dict[str, torch.Tensor]:
+    """``sqrt(F_i * S)`` per coordinate; ``sqrt(F_i)`` when S is unknown (None)."""
+    root = math.sqrt(scale) if scale is not None else 1.0  # inf when S is infinite: no bound
+    # F_i = 0 means h_i = 0 on every response, so g_i = 0 whatever S is (avoid 0 * inf).
+    return {name: torch.where(f > 0, f.sqrt() * root, 0.0) for name, f in fisher.items()}
 
 
 def load_run(run: "str | os.PathLike | Run") -> Run:
