@@ -23,8 +23,8 @@ def measure(mode: str, args) -> dict:
     import torch
 
     from fisher_select import score_sums
-    from fisher_select.engine import plan_coverage
-    from fisher_select.logprob import response_logprobs
+    from fisher_select.engine.scoring import plan_coverage
+    from fisher_select.engine.logprob import response_logprobs
     from fisher_select.models import load_model
 
     torch.manual_seed(0)

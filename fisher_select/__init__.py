@@ -1,13 +1,13 @@
 """fisher_select: locate the parameter coordinates fine-tuning is likely to move, before it runs."""
 
-from .calibrate import Calibration, calibrate
-from .engine import ScoreSums, plan_coverage, score_sums
-from .errors import FisherSelectError
-from .models import fingerprint, load_model
-from .objectives import Objective, RLObjective
-from .prompts import PromptRecord, load_prompts
-from .rewards import numeric_match, regex_match
-from .run import Run, load_run
+from fisher_select.calibration.calibrator import Calibration, calibrate
+from fisher_select.engine.scoring import ScoreSums, plan_coverage, score_sums
+from fisher_select.errors import FisherSelectError
+from fisher_select.models import fingerprint, load_model
+from fisher_select.calibration.objectives import Objective, RLObjective
+from fisher_select.calibration.prompts import PromptRecord, load_prompts
+from fisher_select.calibration.rewards import numeric_match, regex_match
+from fisher_select.rundir import Run, load_run
 
 __version__ = "0.1.0"
 

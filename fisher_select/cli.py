@@ -7,8 +7,8 @@ import importlib
 import pkgutil
 import sys
 
-from . import commands
-from .errors import FisherSelectError
+from fisher_select import commands
+from fisher_select.errors import FisherSelectError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .calibrate import Calibration, calibrate, check_inputs
-from .config import RecipeConfig, build_objectives, recipe_to_dict
-from .distributed import init_from_env, rank_world
-from .models import fingerprint, load_model
-from .prompts import load_prompts
-from .report import build_report, write_run
-from .run import check_output_dir
-from .sampling import SamplingConfig
+from fisher_select.calibration.calibrator import Calibration, calibrate, check_inputs
+from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
+from fisher_select.calibration.distributed import init_from_env, rank_world
+from fisher_select.models import fingerprint, load_model
+from fisher_select.calibration.prompts import load_prompts
+from fisher_select.report.build import build_report, write_run
+from fisher_select.rundir import check_output_dir
+from fisher_select.calibration.sampling import SamplingConfig
 
 
 @dataclass

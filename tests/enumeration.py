@@ -12,9 +12,9 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from fisher_select.logprob import forward_logits
-from fisher_select.prompts import PromptRecord
-from fisher_select.reference import enumerate_responses, per_token_scores
+from fisher_select.engine.logprob import forward_logits
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.engine.reference import enumerate_responses, per_token_scores
 from tests.tiny import enumeration_model
 
 PROMPTS = [[2, 3], [4, 2, 0]]

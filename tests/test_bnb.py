@@ -12,7 +12,7 @@ import bitsandbytes as bnb  # noqa: E402
 
 from fisher_select import plan_coverage, score_sums  # noqa: E402
 from fisher_select.models import load_model  # noqa: E402
-from fisher_select.rules.bnb import BnbLinearRule  # noqa: E402
+from fisher_select.engine.rules.bnb import BnbLinearRule  # noqa: E402
 from tests.tiny import random_batch, tiny_model  # noqa: E402
 
 
@@ -72,9 +72,9 @@ def test_quantized_fisher_matches_dequantized_fp32_model(kind, tol):
 
 def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
     """The whole path: transformers' BitsAndBytesConfig on CPU, then calibrate()."""
-    from fisher_select.calibrate import calibrate
-    from fisher_select.objectives import RLObjective
-    from fisher_select.prompts import PromptRecord
+    from fisher_select.calibration.calibrator import calibrate
+    from fisher_select.calibration.objectives import RLObjective
+    from fisher_select.calibration.prompts import PromptRecord
     from tests.tiny import save_small_llama
 
     save_small_llama(tmp_path, embedded[1])
@@ -91,8 +91,8 @@ def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
     import peft
 
     from fisher_select.models import fingerprint
-    from fisher_select.peft import lora_config
-    from fisher_select.report import build_report, write_run
+    from fisher_select.outputs.peft_hints import lora_config
+    from fisher_select.report.build import build_report, write_run
 
     report = build_report(cal, model={"name": str(tmp_path), "path": str(tmp_path), "fingerprint": fingerprint(model)},
                           recipe=None, recipe_name=None, sampling={}, settings={})
@@ -108,7 +108,7 @@ def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
 def test_cpu_inference_repacking_is_prevented_and_refused():
     """bitsandbytes repacks 4-bit weights for CPU inference in eval mode (no backward, bf16 absmax)."""
     from fisher_select import FisherSelectError
-    from fisher_select.rules.bnb import keep_trainable_layout
+    from fisher_select.engine.rules.bnb import keep_trainable_layout
 
     from transformers import LlamaConfig, LlamaForCausalLM
 

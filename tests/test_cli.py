@@ -133,7 +133,7 @@ def test_recipe_with_unknown_key(tmp_path, capsys):
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch, capsys):
-    import fisher_select.html as html
+    import fisher_select.report.page as html
 
     def explode(*args, **kwargs):
         raise OSError("disk full")

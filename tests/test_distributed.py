@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fisher_select.calibrate import calibrate
-from fisher_select.distributed import seed_for_rank, shard
-from fisher_select.objectives import RLObjective
-from fisher_select.prompts import PromptRecord
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.distributed import seed_for_rank, shard
+from fisher_select.calibration.objectives import RLObjective
+from fisher_select.calibration.prompts import PromptRecord
 from tests.tiny import TinyTokenizer, enumeration_model
 
 PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 0", "3 3", "0 4 4"])]

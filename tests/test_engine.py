@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from fisher_select import FisherSelectError, plan_coverage, score_sums
-from fisher_select.reference import brute_force_sums
-from fisher_select.rules import lookup
-from fisher_select.rules.embedding import EmbeddingRule
-from fisher_select.rules.linear import LinearRule
-from fisher_select.rules.norm import FunctionalNormRule, LayerNormRule
+from fisher_select.engine.reference import brute_force_sums
+from fisher_select.engine.rules import lookup
+from fisher_select.engine.rules.embedding import EmbeddingRule
+from fisher_select.engine.rules.linear import LinearRule
+from fisher_select.engine.rules.norm import FunctionalNormRule, LayerNormRule
 from tests.tiny import TINY_MODELS, random_batch, tiny_model
 
 TOL = 1e-4  # relative error, fp32 engine vs float64-accumulated brute force

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from fisher_select.calibrate import calibrate
-from fisher_select.objectives import RLObjective
-from fisher_select.prompts import PromptRecord
-from fisher_select.reference import enumerate_responses, sequence_logprob
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.objectives import RLObjective
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.engine.reference import enumerate_responses, sequence_logprob
 from tests.tiny import TinyTokenizer, enumeration_model
 
 PROMPTS = [[2, 3], [4, 2, 0]]
@@ -183,7 +183,7 @@ def test_objective_instances_are_single_use(exact):
 
 
 def test_bound_with_infinite_scale_is_infinite_except_where_fisher_is_zero():
-    from fisher_select.calibrate import Calibration, ObjectiveResult
+    from fisher_select.calibration.calibrator import Calibration, ObjectiveResult
 
     fisher = {"w": torch.tensor([0.0, 4.0])}
     cal = Calibration(fisher, {"w": torch.zeros(2)}, [ObjectiveResult("o", math.inf, {}, {})], 1, 2, 0)

@@ -7,10 +7,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.masks import FisherMaskCallback, apply_masks
+from fisher_select.outputs.masking import FisherMaskCallback, apply_masks
 from fisher_select.models import fingerprint
-from fisher_select.run import Run
-from fisher_select.select import save_masks, select_masks
+from fisher_select.rundir import Run
+from fisher_select.outputs.selection import save_masks, select_masks
 
 FROZEN = "model.norm.weight"  # forced fully unselected
 FREE = "model.layers.0.input_layernorm.weight"  # forced fully selected

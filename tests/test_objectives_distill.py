@@ -14,14 +14,14 @@ import math
 import pytest
 import torch
 
-from fisher_select.calibrate import calibrate
+from fisher_select.calibration.calibrator import calibrate
 from fisher_select.errors import FisherSelectError
-from fisher_select.logprob import forward_logits
-from fisher_select.objectives import Context, Group, OPDFullObjective, OPDPGObjective, SFTObjective
-from fisher_select.objectives.distill import OPDFullConfig, OPDPGConfig
-from fisher_select.prompts import PromptRecord
-from fisher_select.reference import sequence_logprob
-from fisher_select.teachers import Teacher, TeacherConfig, check_same_vocabulary, resolve_teacher
+from fisher_select.engine.logprob import forward_logits
+from fisher_select.calibration.objectives import Context, Group, OPDFullObjective, OPDPGObjective, SFTObjective
+from fisher_select.calibration.objectives.distill import OPDFullConfig, OPDPGConfig
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.engine.reference import sequence_logprob
+from fisher_select.calibration.teachers import Teacher, TeacherConfig, check_same_vocabulary, resolve_teacher
 from tests.test_objectives_sft import exact_sft, gradient_sd, projection
 from tests.enumeration import (
     MAX_NEW,

@@ -14,12 +14,12 @@ import math
 import pytest
 import torch
 
-from fisher_select.calibrate import calibrate
+from fisher_select.calibration.calibrator import calibrate
 from fisher_select.errors import FisherSelectError
-from fisher_select.objectives import Group, RLObjective, SFTDemonstrationsObjective, SFTObjective
-from fisher_select.objectives.sft import MAX_SIGNAL, SFTConfig, weight_diagnostics
-from fisher_select.reference import per_sample_scores
-from fisher_select.teachers import Teacher, TeacherConfig
+from fisher_select.calibration.objectives import Group, RLObjective, SFTDemonstrationsObjective, SFTObjective
+from fisher_select.calibration.objectives.sft import MAX_SIGNAL, SFTConfig, weight_diagnostics
+from fisher_select.engine.reference import per_sample_scores
+from fisher_select.calibration.teachers import Teacher, TeacherConfig
 from tests.enumeration import (
     MAX_NEW,
     PROMPTS,

@@ -14,17 +14,17 @@ import torch
 from peft.utils.other import get_pattern_key
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import fisher_select.peft as fs_peft
+import fisher_select.outputs.peft_hints as fs_peft
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
-from fisher_select.peft import (
+from fisher_select.outputs.peft_hints import (
     load_lora_config,
     lora_config,
     lora_hints,
     pattern_key,
     shira_config,
 )
-from fisher_select.run import Run
+from fisher_select.rundir import Run
 from tests.tiny import run_command, write_run_dir
 
 

@@ -6,7 +6,7 @@ from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.prompts import PromptRecord, load_prompts, render_prompt
+from fisher_select.calibration.prompts import PromptRecord, load_prompts, render_prompt
 
 ARITHMETIC = Path(__file__).resolve().parents[1] / "recipes" / "data" / "arithmetic.jsonl"
 WORDS = ["<unk>", "</s>", "hello", "world", "user", "assistant", "system", ":", "be", "nice"]

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fisher_select.calibrate import calibrate
+from fisher_select.calibration.calibrator import calibrate
 from fisher_select.commands import recipes as recipes_command
 from fisher_select.config import build_objectives, load_recipe, recipes_dir
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import EMBEDDED_DEFAULT
-from fisher_select.prompts import load_prompts
+from fisher_select.calibration.prompts import load_prompts
 
 MINE = sorted(p for pattern in ("sft-*.yaml", "opd-pg-*.yaml", "opd-full-*.yaml") for p in recipes_dir().glob(pattern))
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.prompts import PromptRecord
-from fisher_select.rewards import (
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.calibration.rewards import (
     evaluate_reward,
     last_number,
     load_callable,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fisher_select import FisherSelectError
-from fisher_select.run import Run, write_atomically
+from fisher_select.rundir import Run, write_atomically
 
 
 def _run(**entry):

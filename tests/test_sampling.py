@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from fisher_select import FisherSelectError
-from fisher_select.calibrate import calibrate
-from fisher_select.objectives import RLObjective
-from fisher_select.prompts import PromptRecord, render_prompt
-from fisher_select.reference import enumerate_responses, sequence_logprob
-from fisher_select.sampling import SamplingConfig, sample_responses
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.objectives import RLObjective
+from fisher_select.calibration.prompts import PromptRecord, render_prompt
+from fisher_select.engine.reference import enumerate_responses, sequence_logprob
+from fisher_select.calibration.sampling import SamplingConfig, sample_responses
 from tests.tiny import TinyTokenizer, enumeration_model
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.run import Run, save_tensors
-from fisher_select.select import (
+from fisher_select.rundir import Run, save_tensors
+from fisher_select.outputs.selection import (
     CAVEAT,
     load_masks,
     save_masks,

@@ -15,9 +15,9 @@ import math
 import torch
 
 from fisher_select import score_sums
-from fisher_select.calibrate import calibrate
-from fisher_select.objectives import OPDFullObjective
-from fisher_select.teachers import Teacher
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.objectives import OPDFullObjective
+from fisher_select.calibration.teachers import Teacher
 from tests.enumeration import (
     MAX_NEW,
     PROMPTS,

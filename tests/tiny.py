@@ -131,7 +131,7 @@ def enumeration_model(seed: int = 0, vocab: int = 5):
 
 def write_run_dir(run, path):
     """A minimal run directory (fisher + report) from an in-memory Run."""
-    from fisher_select.run import FISHER_FILE, REPORT_FILE, save_tensors, write_json
+    from fisher_select.rundir import FISHER_FILE, REPORT_FILE, save_tensors, write_json
 
     path.mkdir()
     save_tensors(path / FISHER_FILE, run.fisher)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..config import apply_overrides, find_recipe, load_recipe
-from ..distributed import rank_world
-from ..pipeline import run_recipe
-from ..report import summary_lines
+from fisher_select.config import apply_overrides, find_recipe, load_recipe
+from fisher_select.calibration.distributed import rank_world
+from fisher_select.pipeline import run_recipe
+from fisher_select.report.build import summary_lines
 
 # flag -> recipe field; flags override the recipe
 _OVERRIDES = {

@@ -6,12 +6,12 @@ import argparse
 from pathlib import Path
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.select import CAVEAT
+from fisher_select.outputs.selection import CAVEAT
 
 SNIPPET = """\
 # apply in Python (load_lora_config refuses a model other than the calibrated one):
 from peft import get_peft_model
-from fisher_select.peft import load_lora_config
+from fisher_select.outputs.peft_hints import load_lora_config
 config = load_lora_config({path!r}, model)
 model = get_peft_model(model, config)"""
 
@@ -56,7 +56,7 @@ def _int_list(text: str) -> list[int]:
 
 def run_lora(args: argparse.Namespace) -> int:
     # Imported here: PEFT (and through it bitsandbytes) is slow to import for other commands.
-    from fisher_select.peft import lora_hints, save_lora_config
+    from fisher_select.outputs.peft_hints import lora_hints, save_lora_config
 
     out = Path(args.out)
     if out.exists() and not args.overwrite:

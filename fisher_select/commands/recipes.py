@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from ..config import build_objectives, find_recipe, load_recipe, recipe_to_dict, recipes_dir
-from ..errors import FisherSelectError
+from fisher_select.config import build_objectives, find_recipe, load_recipe, recipe_to_dict, recipes_dir
+from fisher_select.errors import FisherSelectError
 
 
 def register(subparsers) -> None:

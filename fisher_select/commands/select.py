@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.select import CAVEAT, STRUCTURES, save_masks, select_masks, sidecar_path
+from fisher_select.outputs.selection import CAVEAT, STRUCTURES, save_masks, select_masks, sidecar_path
 
 
 def register(subparsers) -> None:

@@ -15,7 +15,7 @@ import sys
 from typing import Callable
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.prompts import PromptRecord
+from fisher_select.calibration.prompts import PromptRecord
 
 RewardFn = Callable[[PromptRecord, str], float]
 

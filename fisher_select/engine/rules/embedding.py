@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rule, RowSparse
+from fisher_select.engine.rules.base import Rule, RowSparse
 
 
 class EmbeddingRule(Rule):

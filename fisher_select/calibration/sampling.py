@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from .errors import FisherSelectError
-from .logprob import position_ids_from_mask
+from fisher_select.errors import FisherSelectError
+from fisher_select.engine.logprob import position_ids_from_mask
 
 
 @dataclass

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import rules
-from .errors import FisherSelectError
-from .logprob import response_logprobs
-from .rules.bnb import check_layout
+from fisher_select.engine import rules
+from fisher_select.errors import FisherSelectError
+from fisher_select.engine.logprob import response_logprobs
+from fisher_select.engine.rules.bnb import check_layout
 
 DEFAULT_BLOCK = 1 << 19  # elements in one dense per-sample piece (2 MiB fp32: stays in cache)
 

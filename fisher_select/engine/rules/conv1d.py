@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Contribution, Rule, as_3d, blocks
+from fisher_select.engine.rules.base import Contribution, Rule, as_3d, blocks
 
 
 class Conv1DRule(Rule):

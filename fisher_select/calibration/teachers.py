@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FisherSelectError
-from .logprob import forward_logits
-from .models import load_model
-from .prompts import PromptRecord, render_prompt
-from .sampling import left_pad
+from fisher_select.errors import FisherSelectError
+from fisher_select.engine.logprob import forward_logits
+from fisher_select.models import load_model
+from fisher_select.calibration.prompts import PromptRecord, render_prompt
+from fisher_select.calibration.sampling import left_pad
 
 SELF = "self"  # TeacherConfig.model value: the model being calibrated, under another context
 

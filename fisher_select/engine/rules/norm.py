@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .base import Contribution, Rule
+from fisher_select.engine.rules.base import Contribution, Rule
 
 
 def _sum_positions(t: torch.Tensor, normalized_ndim: int) -> torch.Tensor:

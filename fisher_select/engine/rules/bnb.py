@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ..errors import FisherSelectError
-from .base import Rule
-from .linear import linear_contributions
+from fisher_select.errors import FisherSelectError
+from fisher_select.engine.rules.base import Rule
+from fisher_select.engine.rules.linear import linear_contributions
 
 
 class BnbLinearRule(Rule):
@@ -72,5 +72,5 @@ def check_layout(model) -> None:
         raise FisherSelectError(
             "bitsandbytes repacked some 4-bit weights into its CPU inference layout (it does so in eval mode "
             "without gradients), which has no backward; reload the model, or keep the Linear4bit layers in "
-            "train mode (fisher_select.rules.bnb.keep_trainable_layout) when running inference before scoring"
+            "train mode (fisher_select.engine.rules.bnb.keep_trainable_layout) when running inference before scoring"
         )

@@ -28,13 +28,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import peft  # the PEFT library (absolute import: this module is fisher_select.peft)
+import peft  # the PEFT library (absolute import: this module is fisher_select.outputs.peft_hints)
 import torch
 
-from .errors import FisherSelectError
-from .models import check_fingerprint
-from .run import Run, load_run
-from .select import CAVEAT, replace_file_atomically, top_k_mask
+from fisher_select.errors import FisherSelectError
+from fisher_select.models import check_fingerprint
+from fisher_select.rundir import Run, load_run
+from fisher_select.outputs.selection import CAVEAT, replace_file_atomically, top_k_mask
 
 LINEAR_TYPES = ("Linear", "Linear8bitLt", "Linear4bit", "Conv1D")
 DEFAULT_COVERAGE = 0.9

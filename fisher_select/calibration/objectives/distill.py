@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import build_dataclass, register_objective
-from ..errors import FisherSelectError
-from ..teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher, token_tables
-from .base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance
+from fisher_select.calibration.objectives.registry import register_objective
+from fisher_select.validation import build_dataclass
+from fisher_select.errors import FisherSelectError
+from fisher_select.calibration.teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher, token_tables
+from fisher_select.calibration.objectives.base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance
 
 _INFINITE_WARNING = (
     "the teacher gives probability 0 to {what} the model can produce: KL(pi || T) and the signal scale are "

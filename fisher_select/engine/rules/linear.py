@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Contribution, Rule, as_3d, blocks
+from fisher_select.engine.rules.base import Contribution, Rule, as_3d, blocks
 
 
 def linear_contributions(x, grad_output, out_features: int, in_features: int, has_bias: bool, block: int):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .report import CAVEATS
+from fisher_select.caveats import CAVEATS
 
 _STYLE = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222}
 table{border-collapse:collapse;font-size:13px}td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logprob import response_logprobs
+from fisher_select.engine.logprob import response_logprobs
 
 
 def _unpadded_row(input_ids, attention_mask, response_mask, b):

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import FisherSelectError
+from fisher_select.errors import FisherSelectError
 
 FISHER_FILE = "fisher.safetensors"
 BOUNDS_FILE = "bounds.safetensors"

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .distributed import all_reduce_int, all_reduce_sums, gather_objects, rank_world, seed_for_rank, shard
-from .engine import Coverage, ScoreSums, plan_coverage, score_sums
-from .errors import FisherSelectError
-from .logprob import response_logprobs
-from .objectives import Context, Group, Objective
-from .prompts import PromptRecord, render_prompt
-from .rules.bnb import keep_trainable_layout
-from .run import coordinate_bound
-from .sampling import SamplingConfig, left_pad, sample_responses
+from fisher_select.calibration.distributed import all_reduce_int, all_reduce_sums, gather_objects, rank_world, seed_for_rank, shard
+from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage, score_sums
+from fisher_select.errors import FisherSelectError
+from fisher_select.engine.logprob import response_logprobs
+from fisher_select.calibration.objectives import Context, Group, Objective
+from fisher_select.calibration.prompts import PromptRecord, render_prompt
+from fisher_select.engine.rules.bnb import keep_trainable_layout
+from fisher_select.rundir import coordinate_bound
+from fisher_select.calibration.sampling import SamplingConfig, left_pad, sample_responses
 
 
 @dataclass

@@ -38,14 +38,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import FisherSelectError
-from .report import CAVEAT_LINE
-from .run import Run, load_run, save_tensors
+from fisher_select.errors import FisherSelectError
+from fisher_select.caveats import MASK_CAVEAT as CAVEAT
+from fisher_select.rundir import Run, load_run, save_tensors
 
-MASK_FORMAT = "fisher_select.masks/1"
+MASK_FORMAT = "fisher_select.outputs.masking/1"
 META_KEY = "fisher_select"
 # The project's one-line caveat (report.py), plus how to make a mask more than advisory.
-CAVEAT = CAVEAT_LINE + " A mask holds during training only when enforced (fisher_select.masks.apply_masks)."
 STRUCTURES = ("rows", "columns")
 
 

@@ -1,7 +1,6 @@
 """report.json, the run directory's tensors, and the per-module table.
 
-The caveats below are MATH.md's last section in the project's own words; every report, mask
-sidecar and PEFT hint carries them.
+Every report carries the caveats of ``fisher_select.caveats``.
 """
 
 from __future__ import annotations
@@ -14,24 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .run import (BOUNDS_FILE, FISHER_FILE, GRAD_FILE, REPORT_FILE, TOKEN_FISHER_FILE, save_tensors,
+from fisher_select.caveats import CAVEAT_LINE, CAVEATS
+from fisher_select.report.page import write_html
+from fisher_select.rundir import (BOUNDS_FILE, FISHER_FILE, GRAD_FILE, REPORT_FILE, TOKEN_FISHER_FILE, save_tensors,
                   write_atomically, write_json)
-
-CAVEATS = [
-    "Single step, in expectation: the bound limits the EXPECTED gradient of one objective at the "
-    "calibration parameters, for one step. It says nothing about individual sampled gradients.",
-    "No accumulation: parameters change during training, so movement summed over many steps is not bounded.",
-    "Adaptive optimizers: Adam/AdamW divide by a running RMS, so a tiny but consistent gradient can still "
-    "move a coordinate at the full learning rate; weight decay moves every coordinate.",
-    "Scale matters: a small Fisher implies a small expected gradient only when the signal scale S is "
-    "controlled; a large S loosens the bound, an unknown S leaves only the ranking.",
-    "Advisory: masks and target lists built from this run are hints, not guarantees.",
-]
-CAVEAT_LINE = (
-    "Caveat: bounds are on the expected gradient of one objective for a single step; they do not bound "
-    "movement over many steps, under Adam, or under weight decay. Masks and targets are advisory."
-)
-
 
 def module_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
@@ -115,7 +100,7 @@ def _finite(x):
 
 
 def _version() -> str:
-    from . import __version__
+    from fisher_select import __version__
 
     return __version__
 
@@ -137,7 +122,6 @@ def write_run(out: Path, cal, report: dict, overwrite: bool) -> None:
             for s in cal.samples:
                 fh.write(json.dumps(s) + "\n")
         write_json(tmp / REPORT_FILE, report)
-        from .html import write_html
 
         write_html(tmp / "report.html", report, cal)
 

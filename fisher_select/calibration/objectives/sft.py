@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import build_dataclass, register_objective
-from ..engine import plan_coverage, score_sums
-from ..errors import FisherSelectError
-from ..prompts import PromptRecord, load_prompts, render_prompt
-from ..sampling import left_pad
-from ..teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher
-from .base import Context, Group, GroupSignal, Objective
+from fisher_select.calibration.objectives.registry import register_objective
+from fisher_select.validation import build_dataclass
+from fisher_select.engine.scoring import plan_coverage, score_sums
+from fisher_select.errors import FisherSelectError
+from fisher_select.calibration.prompts import PromptRecord, load_prompts, render_prompt
+from fisher_select.calibration.sampling import left_pad
+from fisher_select.calibration.teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher
+from fisher_select.calibration.objectives.base import Context, Group, GroupSignal, Objective
 
 # Warn when the weights say S is unreliable (heuristics; the numbers are reported either way).
 ESS_WARN = 0.5  # mean over prompts of ESS / K below this

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import Contribution, Rule, RowSparse
-from .conv1d import Conv1DRule
-from .embedding import EmbeddingRule
-from .linear import LinearRule
-from .norm import FunctionalNormRule, LayerNormRule, RMSNormRule
+from fisher_select.engine.rules.base import Contribution, Rule, RowSparse
+from fisher_select.engine.rules.conv1d import Conv1DRule
+from fisher_select.engine.rules.embedding import EmbeddingRule
+from fisher_select.engine.rules.linear import LinearRule
+from fisher_select.engine.rules.norm import FunctionalNormRule, LayerNormRule, RMSNormRule
 
 _REGISTRY: dict[type, Rule] = {}
 
@@ -58,7 +58,7 @@ _BNB_DONE: list[bool] = []
 def _register_bnb_once() -> None:
     """bitsandbytes is imported only when a model actually holds one of its layers."""
     if not _BNB_DONE:
-        from .bnb import register_bnb
+        from fisher_select.engine.rules.bnb import register_bnb
 
         register_bnb(register)
         _BNB_DONE.append(True)

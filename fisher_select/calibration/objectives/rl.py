@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import register_objective
-from ..errors import FisherSelectError
-from ..rewards import evaluate_reward, make_reward
-from .base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance
+from fisher_select.calibration.objectives.registry import register_objective
+from fisher_select.errors import FisherSelectError
+from fisher_select.calibration.rewards import evaluate_reward, make_reward
+from fisher_select.calibration.objectives.base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance
 
 
 class RLObjective(Objective):

@@ -27,9 +27,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import TrainerCallback
 
-from .errors import FisherSelectError
-from .models import check_fingerprint
-from .select import MaskSet, load_masks
+from fisher_select.errors import FisherSelectError
+from fisher_select.models import check_fingerprint
+from fisher_select.outputs.selection import MaskSet, load_masks
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The calibration pass: sampling from the model, objectives' signals, accumulated sums."""

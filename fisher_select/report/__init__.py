@@ -1,0 +1,1 @@
+"""Reports of a run: report.json (build) and report.html (page)."""
