@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fisher_select.caveats import CAVEAT_LINE, CAVEATS
-from fisher_select.report.page import write_html
+from fisher_select.report import page
 from fisher_select.rundir import (BOUNDS_FILE, FISHER_FILE, GRAD_FILE, REPORT_FILE, TOKEN_FISHER_FILE, save_tensors,
                   write_atomically, write_json)
 
@@ -123,7 +123,7 @@ def write_run(out: Path, cal, report: dict, overwrite: bool) -> None:
                 fh.write(json.dumps(s) + "\n")
         write_json(tmp / REPORT_FILE, report)
 
-        write_html(tmp / "report.html", report, cal)
+        page.write_html(tmp / "report.html", report, cal)
 
     write_atomically(out, writer, overwrite)
 
