@@ -1,99 +1,618 @@
-"""Scoring pass vs a plain forward+backward and vs the per-sample backward loop.
+"""The scoring pass beside the floor and its peers, measured as a calibration runs it.
 
-On the embedded default (SmolLM2-135M-Instruct), batch 8 x 128 tokens (64 prompt + 64
-response), fp32, this machine's CPU. Each mode runs in its own process, so its peak RSS is its
-own; times are the best of ``--repeats`` runs and ratios come from one invocation.
-Run: python bench/bench_engine.py [--batch 8] [--length 128] [--repeats 3] [--device cpu]
+One process, one model, one batch. Every mode is warmed up first (its running sums exist, the
+allocator has seen its sizes), then the modes run interleaved, A B C A B C ..., so machine load
+and allocator state hit them alike; times are medians over rounds. Every mode accumulates into
+running sums, as ``calibrate`` does (the floor into ``.grad``, the scoring pass with ``into=``).
+
+Modes (``--modes``): ``floor`` plain forward+backward of the summed response log-probability
+(``.grad`` on the parameters); ``scoring`` fisher_select squares + signal sums + score sums;
+``squares`` fisher_select squares alone; ``loop`` one forward+backward per sample (FISH-style);
+``opacus`` Opacus ``GradSampleModule`` per-sample gradients, squared and summed; ``vmap``
+``torch.func.vmap(grad(...))`` over ``functional_call``; ``backpack`` BackPACK ``SumGradSquared``.
+Peers come from ``bench/requirements.txt``; one that is missing or fails is reported with the
+exception's first line, never fatal. Each squares-producing mode is checked once against the
+scoring pass's squares on the first batch (``check`` column: worst relative error).
+
+Memory: ``state`` is what the mode keeps between batches (``.grad``, accumulators; exact
+bytes); ``transient`` is the peak above the memory in use when the step starts: on CUDA from
+``torch.cuda.max_memory_allocated``, on CPU the largest resident-set increase sampled every
+2 ms by a thread (torch's CPU allocator keeps no statistics; large blocks go back to the OS
+when freed, so the RSS follows the live tensors).
+
+    python bench/bench_engine.py                          # table, embedded default, 8 x 128
+    python bench/bench_engine.py --json out.json --device cuda --batch 16
+    python bench/bench_engine.py --sweep batch --plot bench/scaling-batch.png --json sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import ctypes
+import gc
+import inspect
 import json
-import resource
-import subprocess
-import sys
+import os
+import statistics
+import threading
 import time
+from dataclasses import dataclass, field
 
-MODES = ("plain", "scoring", "loop")
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fisher_select.engine.logprob import position_ids_from_mask, response_logprobs
+from fisher_select.engine.scoring import plan_coverage, score_sums
+
+MODES = ("floor", "scoring", "squares", "loop", "opacus", "vmap", "backpack")
+LABELS = {
+    "floor": "plain forward+backward (floor)",
+    "scoring": "fisher_select: squares + signal + score sums",
+    "squares": "fisher_select: squares alone",
+    "loop": "per-sample backward loop",
+    "opacus": "Opacus GradSampleModule",
+    "vmap": "torch.func vmap(grad)",
+    "backpack": "BackPACK SumGradSquared",
+}
+WIDTHS = {"tiny": 256, "small": 576, "medium": 1024}  # hidden sizes of the width sweep
+SWEEPS = {"batch": [4, 8, 16, 32], "length": [32, 64, 128, 256, 512], "width": list(WIDTHS)}
 
 
-def measure(mode: str, args) -> dict:
-    """Run one mode in this process: load the model, build the batch, time it, report peak RSS."""
-    import torch
+class Unavailable(Exception):
+    """A mode that cannot run here (missing package, unsupported model); the message says why."""
 
-    from fisher_select import score_sums
-    from fisher_select.engine.scoring import plan_coverage
-    from fisher_select.engine.logprob import response_logprobs
-    from fisher_select.models import load_model
 
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+# --- the model and the batch -------------------------------------------------------------------
+
+
+def build_model(name: str, device: str, dtype: torch.dtype) -> nn.Module:
+    """The embedded default, or a random Llama of a named width (8 layers, SmolLM2's vocabulary)."""
+    if name == "default":
+        from fisher_select.models import load_model
+
+        model, _, _ = load_model("smollm2-135m-instruct", device=device)
+        return model.to(dtype).eval()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = WIDTHS[name]
+    config = LlamaConfig(vocab_size=49152, hidden_size=d, intermediate_size=8 * d // 3 // 64 * 64,
+                         num_hidden_layers=8, num_attention_heads=d // 64, num_key_value_heads=max(1, d // 192),
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
-    model, _, _ = load_model("smollm2-135m-instruct", device=args.device)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.length), device=args.device)
-    mask = torch.ones_like(ids)
-    resp = torch.zeros_like(ids, dtype=torch.bool)
-    resp[:, args.length // 2 :] = True
-    signal = torch.randn(args.batch, device=args.device)
-    params = list(model.parameters())
-    cov = plan_coverage(model)
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
-    def plain():
-        model.zero_grad(set_to_none=False)
-        response_logprobs(model, ids, mask, resp).sum().backward()
 
-    def scoring():
-        score_sums(model, ids, mask, resp, signal, coverage=cov)
+@dataclass
+class Batch:
+    ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T), all ones: the floor and every peer see the same rows
+    resp: torch.Tensor  # (B, T) bool, the last ``response`` tokens
+    signal: torch.Tensor  # (B,)
 
-    def loop():
-        for b in range(args.batch):
-            torch.autograd.grad(response_logprobs(model, ids[b : b + 1], mask[b : b + 1], resp[b : b + 1]).sum(), params)
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
 
-    fn = {"plain": plain, "scoring": scoring, "loop": loop}[mode]
-    best = float("inf")
-    for _ in range(args.repeats if mode != "loop" else 1):
-        if args.device.startswith("cuda"):
+
+def make_batch(vocab: int, batch: int, length: int, response: int, device: str) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, length), generator=g).to(device)
+    resp = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    resp[:, length - response :] = True
+    return Batch(ids, torch.ones_like(ids), resp, torch.randn(batch, generator=g).to(device))
+
+
+def param_list(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(model.named_parameters())  # tied parameters once
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+# --- the modes: each keeps running sums and exposes ``step``, ``state_bytes`` and ``squares`` ----
+
+
+class Floor:
+    """What one training step costs: backward of the summed log-probability into ``.grad``."""
+
+    def __init__(self, model, batch, args):
+        self.model, self.batch = model, batch
+
+    def step(self):
+        for _, p in param_list(self.model):
+            p.requires_grad_(True)
+        b = self.batch
+        response_logprobs(self.model, b.ids, b.mask, b.resp).sum().backward()
+
+    def state_bytes(self):
+        return nbytes(p.grad for _, p in param_list(self.model))
+
+    def squares(self):
+        return None
+
+
+class Scoring:
+    """fisher_select's pass, accumulating into its own running sums with ``into=``."""
+
+    def __init__(self, model, batch, args, squares_only: bool = False):
+        self.model, self.batch, self.sums = model, batch, None
+        self.cov = plan_coverage(model)
+        accepted = inspect.signature(score_sums).parameters
+        self.kwargs = {"signal": None if squares_only else batch.signal}
+        self.note = ""
+        if squares_only:
+            if "totals" in accepted:
+                self.kwargs["totals"] = False
+            else:
+                self.note = "this version has no totals=False: squares + score sums"
+
+    def step(self):
+        b = self.batch
+        self.sums = score_sums(self.model, b.ids, b.mask, b.resp, coverage=self.cov, into=self.sums, **self.kwargs)
+
+    def state_bytes(self):
+        s = self.sums
+        return sum(nbytes(d.values()) for d in (s.squares, s.signal, s.total) if d)
+
+    def squares(self):
+        return self.sums.squares
+
+
+class _SquaresPeer:
+    """Shared by the loop and the peers: fp32 running sums of per-sample squared gradients."""
+
+    def __init__(self, model, batch):
+        self.model, self.batch = model, batch
+        self.params = param_list(model)
+        self.acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params}
+        self.note = ""
+
+    def state_bytes(self):
+        return nbytes(self.acc.values())
+
+    def squares(self):
+        return self.acc
+
+
+class Loop(_SquaresPeer):
+    """One forward and one backward per sample, each gradient squared into the running sums."""
+
+    def step(self):
+        b = self.batch
+        params = [p.requires_grad_(True) for _, p in self.params]
+        for n in range(b.size):
+            rows = slice(n, n + 1)
+            grads = torch.autograd.grad(response_logprobs(self.model, b.ids[rows], b.mask[rows], b.resp[rows]).sum(), params)
+            for (name, _), g in zip(self.params, grads):
+                self.acc[name].addcmul_(g, g)
+
+
+class OpacusPeer(_SquaresPeer):
+    """Opacus hooks on a copy of the model; ``grad_sample`` (B, *shape) squared and summed."""
+
+    def __init__(self, model, batch, args):
+        try:
+            from opacus import GradSampleModule
+        except ImportError as exc:
+            raise Unavailable(f"not installed ({first_line(exc)}); pip install -r bench/requirements.txt") from exc
+        # Opacus captures activations only in train mode (eval mode: no grad_sample at all);
+        # these models have no dropout, so train mode computes the same function.
+        copy_ = copy.deepcopy(model).train()
+        for p in copy_.parameters():
+            p.requires_grad_(True)
+        try:
+            self.gsm = GradSampleModule(copy_, batch_first=True, loss_reduction="sum")
+        except Exception as exc:
+            raise Unavailable(first_line(exc)) from exc
+        super().__init__(copy_, batch)
+        self.note = "needs train mode (eval mode gives no grad_sample)"
+
+    def step(self):
+        b = self.batch
+        response_logprobs(self.model, b.ids, b.mask, b.resp).sum().backward()  # hooks sit on the submodules
+        for name, p in self.params:
+            gs = p.grad_sample
+            if gs is None:
+                raise Unavailable(f"no grad_sample for {name}")
+            if gs.shape[0] != b.size:
+                raise Unavailable(f"grad_sample of {name} has shape {tuple(gs.shape)}, not (B, ...)")
+            self.acc[name].add_(gs.square().sum(0))
+            p.grad_sample = None
+            p.grad = None  # Opacus computes .grad too; not part of what is measured
+
+
+class _LogProbOf(nn.Module):
+    """One row's summed response log-probability, with static shapes so vmap can trace it."""
+
+    def __init__(self, model, keep: int):
+        super().__init__()
+        self.inner, self.keep = model, keep
+        self.use_mask = True  # False: no mask, default positions: the same function for unpadded rows
+
+    def forward(self, ids, mask, resp):  # (T,), (T,), (T,) bool: one sample
+        extra = {"attention_mask": mask[None], "position_ids": position_ids_from_mask(mask[None])} if self.use_mask else {}
+        logits = self.inner(input_ids=ids[None], use_cache=False, logits_to_keep=self.keep, **extra).logits[0]  # (keep, V)
+        logp = F.log_softmax(logits[:-1].float(), dim=-1)
+        picked = logp.gather(-1, ids[-self.keep + 1 :, None]).squeeze(-1)  # (keep - 1,)
+        return (picked * resp[-self.keep + 1 :].float()).sum()
+
+
+class VmapPeer(_SquaresPeer):
+    """``vmap(grad(f))`` over the batch: all B per-sample gradients at once, then squared."""
+
+    def __init__(self, model, batch, args):
+        super().__init__(model, batch)
+        from torch.func import functional_call, grad, vmap
+
+        keep = int(batch.resp.shape[1] - batch.resp.any(0).nonzero()[0]) + 1
+        self.wrapper = wrapper = _LogProbOf(model, keep)
+
+        def one(params, ids, mask, resp):
+            return functional_call(wrapper, params, (ids, mask, resp))
+
+        self.fn = vmap(grad(one), in_dims=(None, 0, 0, 0))
+        self.detached = {f"inner.{n}": p.detach() for n, p in self.params}
+        # vmap holds chunk x parameters of per-sample gradients (and chunk forwards) at once
+        self.chunk = args.vmap_chunk or batch.size
+        self.note = f"{self.chunk} samples per vmap call"
+
+    def step(self):
+        b = self.batch
+        for start in range(0, b.size, self.chunk):
+            rows = slice(start, start + self.chunk)
+            grads = self._grads(b.ids[rows], b.mask[rows], b.resp[rows])
+            for name, _ in self.params:
+                self.acc[name].add_(grads[f"inner.{name}"].square().sum(0))
+            del grads
+
+    def _grads(self, ids, mask, resp):
+        try:
+            return self.fn(self.detached, ids, mask, resp)
+        except Exception as exc:
+            if not self.wrapper.use_mask or not bool(mask.all()):
+                raise Unavailable(first_line(exc)) from exc
+            # transformers builds the causal mask (and checks position_ids for packed sequences)
+            # with data-dependent branches vmap cannot trace; with neither (rows unpadded, as
+            # here) it takes the static causal path.
+            self.wrapper.use_mask = False
+            self.note += ("; fails with attention_mask / position_ids (transformers' mask code branches on data: "
+                          "vmap cannot trace it), ran without them (valid for unpadded rows only)")
+            return self.fn(self.detached, ids, mask, resp)
+
+
+class BackpackPeer(_SquaresPeer):
+    """BackPACK on a copy: every module it can extend is extended; ``sum_grad_squared`` read back."""
+
+    def __init__(self, model, batch, args):
+        try:
+            import backpack
+            from backpack.extensions import SumGradSquared
+        except ImportError as exc:
+            raise Unavailable(f"not installed ({first_line(exc)}); pip install -r bench/requirements.txt") from exc
+        copy_ = copy.deepcopy(model)
+        for p in copy_.parameters():
+            p.requires_grad_(True)
+        skipped = set()
+        for mod in copy_.modules():
+            if isinstance(mod, nn.Linear) or (isinstance(mod, nn.Embedding) and mod.padding_idx is None):
+                backpack.extend(mod)
+            elif any(True for _ in mod.parameters(recurse=False)):
+                # BackPACK refuses Embedding(padding_idx=...) ("Only padding_idx=None supported")
+                # and has no rule for model-specific norms
+                skipped.add(type(mod).__name__ + ("(padding_idx)" if isinstance(mod, nn.Embedding) else ""))
+        super().__init__(copy_, batch)
+        self.context = lambda: backpack.backpack(SumGradSquared())
+        self.skipped = skipped
+
+    def step(self):
+        b = self.batch
+        with self.context():
+            response_logprobs(self.model, b.ids, b.mask, b.resp).sum().backward()
+        missing = []
+        for name, p in self.params:
+            sgs = getattr(p, "sum_grad_squared", None)
+            if sgs is None:
+                missing.append(name)
+            else:
+                self.acc[name].add_(sgs)
+                del p.sum_grad_squared
+            p.grad = None
+        if missing:
+            self.note = (f"no sum_grad_squared for {len(missing)} parameters ({', '.join(sorted(self.skipped))} "
+                         "not supported): those squares are missing")
+
+
+FACTORIES = {
+    "floor": Floor, "scoring": Scoring, "squares": lambda m, b, a: Scoring(m, b, a, squares_only=True),
+    "loop": lambda m, b, a: Loop(m, b), "opacus": OpacusPeer, "vmap": VmapPeer, "backpack": BackpackPeer,
+}
+
+
+# --- timing and memory -------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA allocator statistics, or sampled RSS on CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def __enter__(self):
+        if self.cuda:
             torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if args.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+            return self
+        self.start = self.peak = self._rss()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        if self.cuda:
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    param_mib = sum(p.numel() for p in params) * 4 / 2**20
-    return {"mode": mode, "seconds": best, "peak_rss_mib": peak / 1024, "extra_mib": (peak - base_rss) / 1024,
-            "param_mib": param_mib, "threads": torch.get_num_threads()}
+            self.extra = torch.cuda.max_memory_allocated() - self.start
+            return
+        self.stop.set()
+        self.thread.join()
+        self.extra = max(self.peak, self._rss()) - self.start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.mode:
-        print(json.dumps(measure(args.mode, args)))
-        return
-    results = {}
+@dataclass
+class Result:
+    mode: str
+    times: list[float] = field(default_factory=list)
+    transient: list[int] = field(default_factory=list)
+    state_bytes: int = 0
+    error: str | None = None
+    note: str = ""
+    check: float | None = None  # worst relative error of its squares vs the scoring pass, first batch
+
+    @property
+    def seconds(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+
+def timed_step(mode, device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    mode.step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def measured_step(mode, device: str) -> int:
+    """One untimed step under the memory probe, starting from trimmed free memory."""
+    gc.collect()
+    if not device.startswith("cuda") and _LIBC is not None:
+        _LIBC.malloc_trim(0)  # free heap pages back to the OS, so the RSS is the live memory
+    with PeakMemory(device) as mem:
+        mode.step()
+    return mem.extra
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def relative_error(mine: dict, want: dict) -> float:
+    worst = 0.0
+    for name, w in want.items():
+        if name not in mine:
+            return float("inf")
+        scale = float(w.abs().max()) or 1.0
+        worst = max(worst, float((mine[name].float() - w.float()).abs().max()) / scale)
+    return worst
+
+
+def run_table(model, batch: Batch, args, modes) -> dict[str, Result]:
+    """Warm every mode up (one step: the check), then interleave ``args.rounds`` rounds."""
+    results = {m: Result(m) for m in modes}
+    live = {}
+    for name in modes:
+        held = _per_sample_gb(name, model, batch, args)
+        if held > args.max_peer_gb:
+            results[name].error = f"skipped: would hold {held:.1f} GB of per-sample gradients (> --max-peer-gb)"
+            continue
+        try:
+            live[name] = FACTORIES[name](model, batch, args)
+        except Unavailable as exc:
+            results[name].error = str(exc)
+        except Exception as exc:  # a peer's own failure is a finding, not a crash
+            results[name].error = first_line(exc)
+    for _ in range(args.warmup):
+        _round(live, results, lambda mode: timed_step(mode, args.device), results_field=None)
+    reference = live["scoring"].squares() if "scoring" in live else None
+    for name, mode in live.items():
+        results[name].state_bytes = mode.state_bytes()
+        mine = mode.squares()
+        if reference is not None and mine is not None and name != "scoring":
+            # after warm-up every running sum holds ``warmup`` batches: compare like with like
+            results[name].check = relative_error(mine, reference)
+    for _ in range(args.rounds):
+        _round(live, results, lambda mode: timed_step(mode, args.device), results_field="times")
+    # Memory in its own round: trimming and sampling would otherwise perturb the times.
+    _round(live, results, lambda mode: measured_step(mode, args.device), results_field="transient")
+    for name, mode in live.items():
+        results[name].note = results[name].note or getattr(mode, "note", "")
+    return results
+
+
+def _per_sample_gb(name: str, model, batch: Batch, args) -> float:
+    """fp32 per-sample gradients a peer holds at once: Opacus the batch, vmap one chunk."""
+    samples = {"opacus": batch.size, "vmap": args.vmap_chunk or batch.size}.get(name, 0)
+    return samples * sum(p.numel() for p in model.parameters()) * 4 / 2**30
+
+
+def _round(live: dict, results: dict, measure, results_field: str | None) -> None:
+    """One step of every live mode in turn; a mode that fails is reported and dropped."""
+    for name in list(live):
+        try:
+            value = measure(live[name])
+        except Exception as exc:
+            results[name].error = str(exc) if isinstance(exc, Unavailable) else first_line(exc)
+            del live[name]
+            continue
+        if results_field:
+            getattr(results[name], results_field).append(value)
+
+
+# --- output ------------------------------------------------------------------------------------
+
+MIB = 2**20
+
+
+def describe(model, batch: Batch, args) -> dict:
+    n = sum(p.numel() for _, p in param_list(model))
+    return {"model": args.model, "parameters": n, "batch": batch.size, "length": batch.ids.shape[1],
+            "response": int(batch.resp[0].sum()), "device": args.device, "dtype": args.dtype,
+            "threads": torch.get_num_threads(), "rounds": args.rounds, "warmup": args.warmup,
+            "torch": torch.__version__}
+
+
+def as_json(meta: dict, results: dict[str, Result]) -> dict:
+    floor = results.get("floor")
+    base = floor.seconds if floor else None
+    rows = {}
+    for name, r in results.items():
+        rows[name] = {"label": LABELS[name], "median_s": r.seconds, "times_s": r.times,
+                      "vs_floor": r.seconds / base if r.seconds and base else None,
+                      "state_mib": r.state_bytes / MIB, "transient_mib": max(r.transient) / MIB if r.transient else None,
+                      "check_rel_err": r.check, "error": r.error, "note": r.note}
+    return {"meta": meta, "modes": rows}
+
+
+def print_table(table: dict) -> None:
+    m = table["meta"]
+    print(f"{m['model']} ({m['parameters'] / 1e6:.1f}M parameters, {m['dtype']}), batch {m['batch']} x {m['length']} "
+          f"tokens ({m['response']} response), {m['device']}, {m['threads']} threads, median of {m['rounds']} "
+          f"interleaved rounds after {m['warmup']} warm-up")
+    print("| pass | time (s) | vs floor | state (MiB) | transient peak (MiB) | squares vs fisher_select | note |")
+    print("|---|---|---|---|---|---|---|")
+    for row in table["modes"].values():
+        if row["median_s"] is None:
+            print(f"| {row['label']} | - | - | - | - | - | unavailable: {row['error']} |")
+            continue
+        check = "-" if row["check_rel_err"] is None else f"{row['check_rel_err']:.1e}"
+        note = row["note"] + (f"; failed later: {row['error']}" if row["error"] else "")
+        print(f"| {row['label']} | {row['median_s']:.2f} | {row['vs_floor']:.2f}x | {row['state_mib']:.0f} "
+              f"| {row['transient_mib']:.0f} | {check} | {note} |")
+
+
+def one_table(args, model=None) -> dict:
+    dtype = getattr(torch, args.dtype)
+    model = model if model is not None else build_model(args.model, args.device, dtype)
+    batch = make_batch(model.config.vocab_size, args.batch, args.length, args.response, args.device)
+    modes = [m for m in args.modes.split(",") if m]
+    return as_json(describe(model, batch, args), run_table(model, batch, args, modes))
+
+
+def sweep(args) -> dict:
+    """One table per value of the swept quantity; the same model where only the batch changes."""
+    tables = []
+    model = None
+    for value in SWEEPS[args.sweep]:
+        if args.sweep == "batch":
+            args.batch = value
+            model = model or build_model(args.model, args.device, getattr(torch, args.dtype))
+        elif args.sweep == "length":
+            args.response, args.length = value, args.prompt + value
+            model = model or build_model(args.model, args.device, getattr(torch, args.dtype))
+        else:
+            args.model, model = value, None
+        table = one_table(args, model)
+        print_table(table)
+        tables.append({"value": value, **table})
+    return {"sweep": args.sweep, "tables": tables}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    values = [t["value"] for t in result["tables"]]
     for mode in MODES:
-        cmd = [sys.executable, __file__, "--mode", mode, "--batch", str(args.batch), "--length", str(args.length),
-               "--repeats", str(args.repeats), "--device", args.device]
-        results[mode] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-    plain, scoring, loop = results["plain"], results["scoring"], results["loop"]
-    print(f"SmolLM2-135M, batch {args.batch} x {args.length} tokens, {args.device}, threads={plain['threads']}, "
-          f"parameters {plain['param_mib']:.0f} MiB fp32")
-    print(f"| pass | time (s) | vs plain | peak RSS (MiB) | extra over model+batch (MiB) |")
-    print(f"|---|---|---|---|---|")
-    for name, r in (("plain forward+backward", plain), ("scoring (squares+signal+total)", scoring),
-                    ("per-sample backward loop", loop)):
-        print(f"| {name} | {r['seconds']:.2f} | {r['seconds'] / plain['seconds']:.2f}x | {r['peak_rss_mib']:.0f} "
-              f"| {r['extra_mib']:.0f} |")
-    diff = scoring["peak_rss_mib"] - plain["peak_rss_mib"]
-    print(f"scoring is {loop['seconds'] / scoring['seconds']:.2f}x faster than the per-sample loop; its peak is "
-          f"{diff:.0f} MiB = {diff / plain['param_mib']:.2f} parameter-sizes above the plain pass "
-          "(expected 2.00: three fp32 accumulators instead of one .grad; per-sample pieces are 2 MiB)")
+        ys = [t["modes"].get(mode, {}).get("vs_floor") for t in result["tables"]]
+        if any(y is not None for y in ys):
+            ax.plot(range(len(values)), [float("nan") if y is None else y for y in ys], marker="o", label=LABELS[mode])
+    ax.set_xticks(range(len(values)), [str(v) for v in values])
+    ax.set_xlabel({"batch": "batch size", "length": "response tokens", "width": "width"}[result["sweep"]])
+    ax.set_ylabel("time / plain forward+backward")
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", choices=["default", *WIDTHS],
+                    help="default: the embedded SmolLM2-135M-Instruct; tiny/small/medium: random 8-layer Llamas")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=128, help="tokens per row")
+    ap.add_argument("--response", type=int, default=64, help="response tokens per row (the last ones)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens in the length sweep")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--max-peer-gb", type=float, default=5.0,
+                    help="skip peers whose batch x parameters fp32 per-sample gradients exceed this")
+    ap.add_argument("--vmap-chunk", type=int, default=2,
+                    help="samples per vmap(grad) call (0: the whole batch; memory grows with it)")
+    ap.add_argument("--sweep", choices=list(SWEEPS))
+    ap.add_argument("--plot", help="with --sweep: write the ratio curves here (PNG)")
+    ap.add_argument("--json", help="write the table(s) here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.sweep:
+        result = sweep(args)
+        if args.plot:
+            plot(result, args.plot)
+    else:
+        result = one_table(args)
+        print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,4 +17,4 @@ CAVEAT_LINE = (
     "Caveat: bounds are on the expected gradient of one objective for a single step; they do not bound "
     "movement over many steps, under Adam, or under weight decay. Masks and targets are advisory."
 )
-MASK_CAVEAT = CAVEAT_LINE + " A mask holds during training only when enforced (fisher_select.outputs.masking.apply_masks)."
+MASK_CAVEAT = CAVEAT_LINE + " A mask holds during training only when enforced (fisher_select.apply_masks)."

@@ -4,31 +4,61 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import pkgutil
 import sys
 
-from fisher_select import commands
+from fisher_select import __version__, commands
+from fisher_select.atomic import Terminated, raise_on_sigterm
 from fisher_select.errors import FisherSelectError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fisher-select", description="Locate the coordinates fine-tuning is likely to move: exact model Fisher, signal scales, bounds, masks and PEFT hints.")
+    parser.add_argument("--version", action="version", version=f"fisher-select {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
     sub = parser.add_subparsers(dest="command", required=True)
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         importlib.import_module(f"{commands.__name__}.{info.name}").register(sub)
     return parser
 
 
+# Third-party messages a user cannot act on. bitsandbytes warns on every CPU with AVX512-BF16 that an
+# optional hub kernel is missing (fetching it would be a network access; its CPU fallback is used).
+_QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    raise_on_sigterm()  # a cluster time limit stops the work like Ctrl-C: nothing half-written stays
     try:
         return int(args.func(args) or 0)
-    except FisherSelectError as exc:
+    except FisherSelectError as exc:  # the user's input: what, where, what to do
+        if args.debug:
+            raise
         print(f"fisher-select: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the environment: disk full, permissions, a path that cannot be created
+        if args.debug:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"fisher-select: error: {exc.strerror or exc}{where}; nothing was written "
+              "(free space, fix permissions or choose another --out)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("fisher-select: interrupted; nothing was written", file=sys.stderr)
+        print("fisher-select: interrupted (SIGINT); nothing was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("fisher-select: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return 143
+    except Exception as exc:  # a bug: one line, the traceback with --debug
+        if args.debug:
+            raise
+        print(f"fisher-select: internal error: {type(exc).__name__}: {exc}; rerun with --debug for the "
+              "traceback and please report it", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

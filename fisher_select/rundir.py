@@ -1,92 +1,50 @@
-"""Run directories: written atomically, loaded as a `Run`.
+"""The run directory: one typed, versioned schema, written and read here and nowhere else.
 
-A run directory holds
+A run directory (docs/RUN_FORMAT.md) holds
 - ``fisher.safetensors``: diagonal Fisher F per parameter (fp32, the parameter's shape; for a
   bitsandbytes-quantized Linear, the shape of the dequantized weight);
-- ``bounds.safetensors``: ``sqrt(F * S)`` of the primary objective (only when S is known);
+- ``fisher_token.safetensors``: the token-level Fisher, when a token-level objective ran;
+- ``bounds.safetensors``: ``sqrt(F * S)`` of the primary objective (only when S is known and finite);
 - ``grad_estimate.safetensors``: Monte Carlo estimate of the primary objective's expected
   gradient (``grad_estimate-<objective>.safetensors`` for further objectives);
-- ``samples.jsonl``, ``report.json`` and ``report.html``.
+- ``samples.jsonl``, ``report.json`` (a ``RunReport``) and ``report.html``.
 
-Everything is written into a sibling temporary directory which is renamed into place, so a run
-directory is complete or absent, never half-written.
+The directory is written atomically (``fisher_select.atomic.write_dir``): complete or absent.
+``Calibration`` (in memory, from ``calibrate``) and ``Run`` (loaded) answer the same questions
+through ``BoundsView``: which Fisher an objective uses, its scale, its bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import shutil
-import tempfile
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fisher_select.atomic import write_dir, write_file
 from fisher_select.errors import FisherSelectError
 
+FORMAT_VERSION = 2  # 1: fisher_select 0.1.0 (no format_version key)
 FISHER_FILE = "fisher.safetensors"
 BOUNDS_FILE = "bounds.safetensors"
 GRAD_FILE = "grad_estimate.safetensors"
 TOKEN_FISHER_FILE = "fisher_token.safetensors"
+SAMPLES_FILE = "samples.jsonl"
 REPORT_FILE = "report.json"
+HTML_FILE = "report.html"
 
 
-@dataclass
-class Run:
-    """A loaded calibration run. ``fisher`` maps parameter name -> F (fp32)."""
-
-    report: dict
-    fisher: dict[str, torch.Tensor]
-    path: Path | None = None
-    token_fisher: dict[str, torch.Tensor] | None = None  # F^tok, for token-level objectives
-    _grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
-
-    @property
-    def run_id(self) -> str:
-        return self.report["run_id"]
-
-    @property
-    def fingerprint(self) -> dict:
-        return self.report["model"]["fingerprint"]
-
-    @property
-    def objectives(self) -> list[dict]:
-        return self.report["objectives"]
-
-    @property
-    def signal_scale(self) -> float | None:
-        """S of the primary (first) objective; None when unknown (e.g. SFT without a density)."""
-        return self.signal_scale_of(None)
-
-    def bound(self, objective: str | None = None) -> dict[str, torch.Tensor]:
-        """``sqrt(F_i * S)`` per coordinate for one objective (default: the primary one).
-
-        When S is unknown the bound is only known up to the common factor ``sqrt(S)``; this
-        returns ``sqrt(F)`` then (same ranking) -- check ``signal_scale`` before using absolute
-        thresholds.
-        """
-        return coordinate_bound(self.fisher_for(objective), self.signal_scale_of(objective))
-
-    def fisher_for(self, objective: str | None = None) -> dict[str, torch.Tensor]:
-        """The Fisher an objective's bound uses: F^tok for token-level objectives, else F."""
-        entry = self._entry(objective)
-        return self.token_fisher if entry.get("token_level") and self.token_fisher is not None else self.fisher
-
-    def signal_scale_of(self, objective: str | None) -> float | None:
-        """S of ``objective`` (default: the primary one); an error for an unknown objective name."""
-        value = self._entry(objective).get("signal_scale")
-        return None if value is None else float(value)  # JSON holds an infinite S as "inf"
-
-    def _entry(self, objective: str | None) -> dict:
-        for entry in self.objectives:
-            if objective is None or entry["name"] == objective:
-                return entry
-        names = ", ".join(e["name"] for e in self.objectives)
-        raise FisherSelectError(f"run {self.run_id} has no objective {objective!r}; it has: {names}")
+# ---------------------------------------------------------------------------
+# Bounds shared by in-memory calibrations and loaded runs
 
 
 def coordinate_bound(fisher: dict[str, torch.Tensor], scale: float | None) -> dict[str, torch.Tensor]:
@@ -94,6 +52,242 @@ def coordinate_bound(fisher: dict[str, torch.Tensor], scale: float | None) -> di
     root = math.sqrt(scale) if scale is not None else 1.0  # inf when S is infinite: no bound
     # F_i = 0 means h_i = 0 on every response, so g_i = 0 whatever S is (avoid 0 * inf).
     return {name: torch.where(f > 0, f.sqrt() * root, 0.0) for name, f in fisher.items()}
+
+
+class BoundsView:
+    """Objective lookup, Fisher choice and bounds over ``self.fisher``, ``self.token_fisher`` and
+    ``self.objectives`` (entries with ``name``, ``signal_scale`` and ``token_level``)."""
+
+    fisher: dict[str, torch.Tensor]
+    token_fisher: dict[str, torch.Tensor] | None
+    objectives: list
+
+    def describe_source(self) -> str:
+        return "this calibration"
+
+    def objective(self, name: str | None = None):
+        """The entry of objective ``name`` (default: the primary, first, one)."""
+        for entry in self.objectives:
+            if name is None or entry.name == name:
+                return entry
+        names = ", ".join(e.name for e in self.objectives)
+        raise FisherSelectError(f"{self.describe_source()} has no objective {name!r}; it has: {names}")
+
+    @property
+    def signal_scale(self) -> float | None:
+        """S of the primary objective; None when unknown (e.g. SFT without a density)."""
+        return self.objective(None).signal_scale
+
+    def signal_scale_of(self, objective: str | None) -> float | None:
+        return self.objective(objective).signal_scale
+
+    def fisher_for(self, objective: str | None = None) -> dict[str, torch.Tensor]:
+        """The Fisher an objective's bound uses: F^tok for token-level objectives, else F."""
+        token = self.objective(objective).token_level and self.token_fisher is not None
+        return self.token_fisher if token else self.fisher
+
+    def bound(self, objective: str | None = None) -> dict[str, torch.Tensor]:
+        """``sqrt(F_i * S)`` per coordinate for one objective (default: the primary one).
+
+        When S is unknown the bound is only known up to the common factor ``sqrt(S)``; this
+        returns ``sqrt(F)`` then (same ranking): check ``signal_scale`` before using absolute
+        thresholds.
+        """
+        return coordinate_bound(self.fisher_for(objective), self.signal_scale_of(objective))
+
+    def mixed_bound(self, weights: dict[str, float]) -> dict[str, torch.Tensor]:
+        """``sum_o |c_o| sqrt(F^(o)_i S_o)`` for a weighted mix of objectives on the same samples.
+
+        For sequence-level objectives F^(o) = F and this is ``sqrt(F_i) sum_o |c_o| sqrt(S_o)``
+        (MATH.md); a token-level objective brings its own factor sqrt(F^tok_i S_tok).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, c in weights.items():
+            if self.signal_scale_of(name) is None:
+                raise FisherSelectError(f"objective {name!r} has an unknown signal scale; it cannot enter a mixed bound")
+            for n, b in self.bound(name).items():
+                out[n] = out[n] + abs(c) * b if n in out else abs(c) * b
+        return out
+
+
+# ---------------------------------------------------------------------------
+# The schema of report.json
+
+
+def _scale_to_json(x: float | None):
+    """JSON has no inf/nan: an infinite S is written as the string "inf"."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+def _scale_from_json(x) -> float | None:
+    return None if x is None else float(x)
+
+
+@dataclass
+class ModelInfo:
+    """The calibrated model: where it came from and the fingerprint outputs are checked against."""
+
+    name: str  # the --model spec
+    fingerprint: dict
+    path: str | None  # the resolved model directory
+    dtype: str | None
+    quantization: str | None
+    architecture: str | None  # the model class
+
+
+@dataclass
+class ObjectiveEntry:
+    """One objective's scale and report fields; ``details`` holds the objective's own summary."""
+
+    name: str
+    type: str
+    signal_scale: float | None  # None: unknown; inf: no bound
+    token_level: bool = False
+    grad_file: str = GRAD_FILE
+    signal: str = ""  # the signal's formula
+    warnings: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {**self.details, "name": self.name, "type": self.type, "signal": self.signal,
+                "signal_scale": _scale_to_json(self.signal_scale), "token_level": self.token_level,
+                "grad_file": self.grad_file, "warnings": self.warnings}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ObjectiveEntry":
+        own = {f.name for f in dataclasses.fields(cls)} - {"details"}
+        kwargs = {k: v for k, v in data.items() if k in own}
+        kwargs["signal_scale"] = _scale_from_json(data.get("signal_scale"))
+        return cls(**kwargs, details={k: v for k, v in data.items() if k not in own})
+
+    @classmethod
+    def from_summary(cls, name: str, summary: dict, signal_scale: float | None, grad_file: str) -> "ObjectiveEntry":
+        """From an objective's summary dict (calibration side)."""
+        entry = cls.from_json({**summary, "name": name, "grad_file": grad_file})
+        entry.signal_scale = signal_scale
+        return entry
+
+
+@dataclass
+class ModuleEntry:
+    """Per-module aggregates of F (and of the bound, when S is known)."""
+
+    name: str
+    numel: int
+    fisher_mass: float  # sum of F over the module
+    parameters: list[str]
+    type: str | None = None  # module class name
+    mass_share: float = 0.0  # fisher_mass / total
+    sqrt_fisher_mean: float = 0.0  # mean of sqrt(F) (the bound's mass per coordinate, up to sqrt(S))
+    bound_mean: float | None = None
+    bound_max: float | None = None
+    # sum of sqrt(F): what report tables rank modules by (PITFALLS.md: it predicts module movement, the sum
+    # of F, dominated by a few huge coordinates, does not)
+    sqrt_fisher_mass: float = 0.0
+    sqrt_mass_share: float = 0.0  # sqrt_fisher_mass / total
+    fisher_mass_rel_stderr: float | None = None  # of fisher_mass, from the per-batch spread (None: not measured)
+
+
+@dataclass
+class RunReport:
+    """report.json. Keys are these fields; ``to_json`` adds the primary objective's shortcuts."""
+
+    run_id: str
+    model: ModelInfo
+    objectives: list[ObjectiveEntry]
+    modules: list[ModuleEntry]
+    caveats: list[str] = field(default_factory=list)
+    created: str = ""
+    fisher_select_version: str = ""
+    format_version: int = FORMAT_VERSION
+    recipe: str | None = None  # recipe name
+    config: dict | None = None  # the resolved recipe
+    num_prompts: int = 0
+    num_samples: int = 0
+    num_truncated: int = 0
+    samples_per_prompt: int | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    sampling: dict = field(default_factory=dict)
+    coverage: dict = field(default_factory=dict)
+    checks: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # degenerate or unreliable results, with numbers
+    mixed_bound: dict | None = None
+    statistics: dict = field(default_factory=dict)  # the report's sections (docs/REPORT.md), JSON as written
+
+    @property
+    def truncation_rate(self) -> float:
+        return self.num_truncated / max(1, self.num_samples)
+
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["model"] = dataclasses.asdict(self.model)
+        data["objectives"] = [o.to_json() for o in self.objectives]
+        data["modules"] = [dataclasses.asdict(m) for m in self.modules]
+        primary = self.objectives[0]  # shortcuts for readers of the JSON; derived, not read back
+        data.update(objective=primary.name, signal=primary.signal, signal_scale=_scale_to_json(primary.signal_scale),
+                    truncation_rate=self.truncation_rate)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict, where: str) -> "RunReport":
+        version = data.get("format_version", 1)
+        if version != FORMAT_VERSION:
+            made = data.get("fisher_select_version", "an older release")
+            raise FisherSelectError(
+                f"{where} was made by fisher_select {made} (run format {version}); this is format {FORMAT_VERSION}: "
+                f"re-run `fisher-select calibrate`, or upgrade it in place with `fisher-select migrate {Path(where).parent}`")
+        own = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in own}
+        kwargs["model"] = ModelInfo(**data["model"])
+        kwargs["objectives"] = [ObjectiveEntry.from_json(o) for o in data["objectives"]]
+        kwargs["modules"] = [ModuleEntry(**m) for m in data["modules"]]
+        return cls(**kwargs)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ---------------------------------------------------------------------------
+# Loaded runs
+
+
+@dataclass
+class Run(BoundsView):
+    """A loaded calibration run. ``fisher`` maps parameter name -> F (fp32)."""
+
+    report: RunReport
+    fisher: dict[str, torch.Tensor]
+    path: Path | None = None
+    token_fisher: dict[str, torch.Tensor] | None = None  # F^tok, for token-level objectives
+
+    @property
+    def run_id(self) -> str:
+        return self.report.run_id
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.report.model.fingerprint
+
+    @property
+    def objectives(self) -> list[ObjectiveEntry]:
+        return self.report.objectives
+
+    def describe_source(self) -> str:
+        return f"run {self.run_id}"
+
+    def provenance(self, caveat: str) -> dict:
+        """What every output made from this run records: run id, model, caveats."""
+        return {"run_id": self.run_id,
+                "model": {"name": self.report.model.name, "fingerprint": self.fingerprint},
+                "caveat": caveat, "run_caveats": list(self.report.caveats)}
 
 
 def load_run(run: "str | os.PathLike | Run") -> Run:
@@ -105,68 +299,108 @@ def load_run(run: "str | os.PathLike | Run") -> Run:
     if not report_path.is_file() or not (path / FISHER_FILE).is_file():
         raise FisherSelectError(
             f"{path} is not a fisher_select run directory (no {REPORT_FILE} / {FISHER_FILE}); "
-            "pass the --out directory of `fisher-select calibrate`"
-        )
-    report = json.loads(report_path.read_text())
+            "pass the --out directory of `fisher-select calibrate`")
+    report = RunReport.from_json(json.loads(report_path.read_text()), str(report_path))
     token = path / TOKEN_FISHER_FILE
     return Run(report=report, fisher=load_file(str(path / FISHER_FILE)), path=path,
                token_fisher=load_file(str(token)) if token.is_file() else None)
 
 
-def write_atomically(out: Path, writer: Callable[[Path], None], overwrite: bool) -> None:
-    """Call ``writer(tmpdir)`` then move the finished directory to ``out`` in one rename.
+def migrate(path: "str | os.PathLike") -> Path:
+    """Upgrade a format-1 run directory (fisher_select 0.1.0) in place: its report gains the version key.
 
-    An existing non-empty ``out`` is replaced only with ``overwrite``; on any error the temporary
-    directory is removed and ``out`` is left as it was.
+    Format 2 changed no tensor and no report field, so the upgrade only records the version.
     """
-    out = Path(out)
-    check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a run directory is an ordinary one
-    try:
-        writer(tmp)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    report_path = Path(path) / REPORT_FILE
+    if not report_path.is_file():
+        raise FisherSelectError(f"{path} is not a fisher_select run directory (no {REPORT_FILE})")
+    data = json.loads(report_path.read_text())
+    version = data.get("format_version", 1)
+    if version == FORMAT_VERSION:
+        return report_path
+    if version != 1:
+        raise FisherSelectError(f"{report_path} has run format {version}, which this release cannot migrate")
+    data["format_version"] = FORMAT_VERSION
+    RunReport.from_json(data, str(report_path))  # refuse what would not load afterwards
+    write_file(report_path, lambda tmp: _write_json(tmp, data), overwrite=True)
+    return report_path
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse, before any work is done, to replace a non-empty directory without ``overwrite``."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FisherSelectError(f"output path {out} exists and is not a directory; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FisherSelectError(
-            f"output directory {out} already holds files (another run?); "
-            "pass --overwrite to replace it or choose another --out"
-        )
+def compare_runs(a: "str | os.PathLike", b: "str | os.PathLike") -> list[str]:
+    """Differences between two run directories' contents: every tensor file, tensor by tensor and
+    bit for bit, the samples, and the report except what identifies the run (id, time). [] if none."""
+    a, b = Path(a), Path(b)
+    load_run(a), load_run(b)  # both must be runs of this format
+    diffs = []
+    files = sorted({p.name for p in a.glob("*.safetensors")} | {p.name for p in b.glob("*.safetensors")})
+    for name in files:
+        if not (a / name).is_file() or not (b / name).is_file():
+            diffs.append(f"{name}: only in {a if (a / name).is_file() else b}")
+            continue
+        ta, tb = load_file(str(a / name)), load_file(str(b / name))
+        for key in sorted(set(ta) | set(tb)):
+            if key not in ta or key not in tb:
+                diffs.append(f"{name}: {key} only in one run")
+            elif ta[key].shape != tb[key].shape or not torch.equal(ta[key], tb[key]):
+                diffs.append(f"{name}: {key} differs (max |difference| {_max_difference(ta[key], tb[key])})")
+    if (a / SAMPLES_FILE).read_bytes() != (b / SAMPLES_FILE).read_bytes():
+        diffs.append(f"{SAMPLES_FILE} differs (other samples: seed, settings or model)")
+    ra, rb = (json.loads((d / REPORT_FILE).read_text()) for d in (a, b))
+    for key in sorted(set(ra) | set(rb)):
+        if key not in ("run_id", "created") and ra.get(key) != rb.get(key):
+            diffs.append(f"{REPORT_FILE}: {key} differs")
+    return diffs
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    trash = out.with_name(f".{out.name}.old-{os.getpid()}")
-    os.replace(out, trash)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(trash, out)
-        raise
-    shutil.rmtree(trash, ignore_errors=True)
+def _max_difference(x: torch.Tensor, y: torch.Tensor) -> str:
+    if x.shape != y.shape:
+        return f"shapes {tuple(x.shape)} vs {tuple(y.shape)}"
+    return f"{float((x.double() - y.double()).abs().max()):.3g}"
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+
+def write_run(out: Path, cal, report: RunReport, *, overwrite: bool,
+              extra: Callable[[Path], None] | None = None) -> Path:
+    """Write the whole run directory atomically; ``extra(tmpdir)`` adds files (the HTML page)."""
+
+    def writer(tmp: Path) -> None:
+        meta = {"run_id": report.run_id, "model": report.model.name}
+        save_tensors(tmp / FISHER_FILE, cal.fisher, meta)
+        if cal.token_fisher is not None:
+            save_tensors(tmp / TOKEN_FISHER_FILE, cal.token_fisher, meta)
+        scale = cal.signal_scale
+        if scale is not None and math.isfinite(scale):
+            save_tensors(tmp / BOUNDS_FILE, cal.bound(), {**meta, "signal_scale": scale})
+        for entry, result in zip(report.objectives, cal.objectives):
+            save_tensors(tmp / entry.grad_file, result.grad_estimate, {**meta, "objective": result.name})
+        with open(tmp / SAMPLES_FILE, "w") as fh:
+            for s in cal.samples:
+                fh.write(json.dumps(s) + "\n")
+        _write_json(tmp / REPORT_FILE, report.to_json())
+        if extra is not None:
+            extra(tmp)
+
+    return write_dir(out, writer, overwrite=overwrite)
+
+
+def grad_file_for(index: int, name: str) -> str:
+    """The gradient-estimate file of the index-th objective."""
+    return GRAD_FILE if index == 0 else f"grad_estimate-{name}.safetensors"
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     """safetensors with contiguous CPU tensors and string metadata."""
     flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    save_file(flat, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
+    try:
+        save_file(flat, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
+    except SafetensorError as err:  # safetensors reports I/O failures (disk full, ...) as its own type
+        raise OSError(f"could not write {path}: {err}") from err
 
 
-def write_json(path: Path, obj) -> None:
+def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 

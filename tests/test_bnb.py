@@ -93,10 +93,12 @@ def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
     from fisher_select.models import fingerprint
     from fisher_select.outputs.peft_hints import lora_config
     from fisher_select.report.build import build_report, write_run
+    from fisher_select.rundir import ModelInfo
 
-    report = build_report(cal, model={"name": str(tmp_path), "path": str(tmp_path), "fingerprint": fingerprint(model)},
+    report = build_report(cal, model=ModelInfo(str(tmp_path), fingerprint(model), str(tmp_path), "float32", "nf4",
+                                            type(model).__name__),
                           recipe=None, recipe_name=None, sampling={}, settings={})
-    assert {m["type"] for m in report["modules"]} >= {"Linear4bit"}
+    assert {m.type for m in report.modules} >= {"Linear4bit"}
     write_run(tmp_path / "run", cal, report, overwrite=False)
     config = lora_config(tmp_path / "run", top_n=3, total_rank=12, rank_step=2, model=model)
     adapted = peft.get_peft_model(model, config)

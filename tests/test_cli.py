@@ -42,13 +42,15 @@ def test_run_directory_is_complete(demo_run):
     assert len(samples) == 4 and {"prompt_ids", "response_ids", "response", "logprob", "truncated"} <= set(samples[0])
     assert report["checks"]["autograd"]["max_relative_error"] < 1e-3
     page = (demo_run / "report.html").read_text()
-    assert "do not promise" in page and page.count("<svg") == 3 and report["run_id"] in page
+    # matplotlib figures as inline PNG data URIs (issue 10), replacing the three hand-drawn SVG bar charts
+    assert "do not promise" in page and page.count('src="data:image/png;base64,') >= 6 and report["run_id"] in page
+    assert 'id="heatmap"' in page
 
 
 def test_report_numbers_agree_with_tensors(demo_run):
     run = load_run(demo_run)
     fisher = run.fisher
-    report = run.report
+    report = run.report.to_json()
     by_module = {m["name"]: m for m in report["modules"]}
     emb = by_module["model.embed_tokens"]
     assert math.isclose(emb["fisher_mass"], float(fisher["model.embed_tokens.weight"].double().sum()), rel_tol=1e-6)
@@ -139,11 +141,88 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch, capsys):
         raise OSError("disk full")
 
     monkeypatch.setattr(html, "write_html", explode)
-    with pytest.raises(OSError):
-        main(["calibrate", "--out", str(tmp_path / "o"), *SMALL])
+    with pytest.raises(OSError):  # --debug: the traceback
+        main(["--debug", "calibrate", "--out", str(tmp_path / "o"), *SMALL])
+    assert list(tmp_path.iterdir()) == []
+    assert main(["calibrate", "--out", str(tmp_path / "o"), *SMALL]) == 1  # else one line, exit 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("fisher-select: error: disk full") and "Traceback" not in "".join(err)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "fisher_select", "--help"], capture_output=True, text=True, check=True)
     assert "calibrate" in out.stdout and "select" in out.stdout
+
+
+def test_version_flag(capsys):
+    import fisher_select
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"fisher-select {fisher_select.__version__}"
+
+
+def test_public_api_is_importable_from_the_top_level():
+    import fisher_select
+
+    for name in ("calibrate", "score_sums", "load_run", "select_masks", "lora_config", "shira_config",
+                 "apply_masks", "FisherMaskCallback"):
+        assert callable(getattr(fisher_select, name)), name
+
+
+def test_same_seed_reproduces_the_run_bit_for_bit_and_verify_says_so(demo_run, tmp_path, capsys):
+    again, other = tmp_path / "again", tmp_path / "other"
+    assert main(["calibrate", "--recipe", "rl-arithmetic", "--out", str(again), *SMALL]) == 0
+    assert main(["calibrate", "--recipe", "rl-arithmetic", "--out", str(other), *SMALL, "--seed", "1"]) == 0
+    capsys.readouterr()
+    assert (demo_run / "fisher.safetensors").read_bytes() != (again / "fisher.safetensors").read_bytes()  # run ids
+    assert main(["verify", str(demo_run), str(again)]) == 0
+    assert capsys.readouterr().out.strip().endswith("identical results")
+    assert main(["verify", str(demo_run), str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "fisher.safetensors: model.embed_tokens.weight differs" in out and "samples.jsonl differs" in out
+
+
+def _subparser(name: str):
+    from fisher_select.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sub.choices[name]
+
+
+def test_calibrate_flags_are_generated_from_the_recipe_fields():
+    """Every scalar RecipeConfig field is a flag of its type whose help is the field's help."""
+    import dataclasses
+    import typing
+
+    from fisher_select.config import RecipeConfig
+    from fisher_select.validation import field_help, scalar_type
+
+    actions = {a.dest: a for a in _subparser("calibrate")._actions}
+    hints = typing.get_type_hints(RecipeConfig)
+    scalars = [f for f in dataclasses.fields(RecipeConfig) if scalar_type(hints[f.name]) is not None]
+    assert {"samples_per_prompt", "num_prompts", "quantization", "dtype", "model"} <= {f.name for f in scalars}
+    for f in scalars:
+        action = actions[f.name]
+        assert action.option_strings == ["--" + f.name.replace("_", "-")]
+        assert action.type is scalar_type(hints[f.name]) and action.default is None
+        assert field_help(f) and field_help(f) in action.help.replace("%%", "%"), f.name
+    assert "objectives" not in actions and "sampling" not in actions  # mappings and lists stay in the file
+    args = _subparser("calibrate").parse_args(["--out", "o", "--num-prompts", "3", "--quantization", "nf4"])
+    assert (args.num_prompts, args.quantization, args.samples_per_prompt) == (3, "nf4", None)
+
+
+def test_lora_flag_defaults_are_the_hint_settings():
+    from fisher_select.outputs.hint_settings import LoraHintSettings
+
+    args = _subparser("lora").parse_args(["run", "--out", "x.json"])
+    assert (args.rank_step, args.alpha_ratio) == (LoraHintSettings.rank_step, LoraHintSettings.alpha_ratio)
+    assert args.coverage is None and args.top_n is None and args.total_rank is None  # lora_hints decides
+
+
+def test_bad_flag_value_is_reported_once_with_the_recipe(tmp_path, capsys):
+    err = _fails(["calibrate", "--out", str(tmp_path / "o"), "--dtype", "float8", "--batch-size", "0"], capsys,
+                 "with --batch-size, --dtype: ", "dtype: expected one of float32", "batch_size: must be at least 1")
+    assert err.count("rl-arithmetic.yaml") == 1 and "command line" not in err
+    assert not (tmp_path / "o").exists()

@@ -171,17 +171,6 @@ def test_bound_object_is_sqrt_f_times_s(monte_carlo):
         assert torch.allclose(b, (cal.fisher[n] * cal.signal_scale).sqrt())
 
 
-def test_objective_instances_are_single_use(exact):
-    from fisher_select import FisherSelectError
-
-    objective = RLObjective(reward)
-    records = [PromptRecord(0, "2 3", None, {})]
-    calibrate(exact["model"], exact["tok"], records, objective, samples_per_prompt=2, max_new_tokens=2,
-              progress=False)
-    with pytest.raises(FisherSelectError, match="new objective instance"):
-        calibrate(exact["model"], exact["tok"], records, objective, samples_per_prompt=2, progress=False)
-
-
 def test_bound_with_infinite_scale_is_infinite_except_where_fisher_is_zero():
     from fisher_select.calibration.calibrator import Calibration, ObjectiveResult
 

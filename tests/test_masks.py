@@ -11,6 +11,7 @@ from fisher_select.outputs.masking import FisherMaskCallback, apply_masks
 from fisher_select.models import fingerprint
 from fisher_select.rundir import Run
 from fisher_select.outputs.selection import save_masks, select_masks
+from tests import runs
 
 FROZEN = "model.norm.weight"  # forced fully unselected
 FREE = "model.layers.0.input_layernorm.weight"  # forced fully selected
@@ -29,22 +30,7 @@ def make_run(model, seed: int = 0) -> Run:
     """A run over ``model``'s parameters with a random Fisher and the model's real fingerprint."""
     gen = torch.Generator().manual_seed(seed)
     fisher = {n: torch.rand(p.shape, generator=gen) for n, p in model.named_parameters()}  # tied: once
-    owned = {}
-    for name in fisher:
-        owned.setdefault(name.rpartition(".")[0], []).append(name)
-    modules = [
-        {"name": m, "numel": sum(fisher[p].numel() for p in ps),
-         "fisher_mass": sum(float(fisher[p].sum()) for p in ps), "parameters": ps}
-        for m, ps in owned.items()
-    ]
-    report = {
-        "run_id": f"run-{seed}",
-        "model": {"name": "tiny-llama", "path": "/nowhere", "fingerprint": fingerprint(model)},
-        "objectives": [{"name": "rl", "type": "rl", "signal_scale": 1.0}],
-        "caveats": [],
-        "modules": modules,
-    }
-    return Run(report=report, fisher=fisher)
+    return runs.make_run(fisher, fingerprint=fingerprint(model), model_name="tiny-llama", run_id=f"run-{seed}")
 
 
 def tiny_masks(model) -> dict[str, torch.Tensor]:

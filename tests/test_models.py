@@ -368,3 +368,31 @@ def test_embedded_default_converts_once_and_matches_gguf(cache, monkeypatch):
     with torch.no_grad():
         assert torch.equal(model(batch).logits, reference(batch).logits)
     assert models.fingerprint(model) == models.fingerprint(reference)
+
+
+def _finetuned(change) -> tuple[dict, torch.nn.Module]:
+    model = tiny_llama()
+    expected = models.fingerprint(model)
+    with torch.no_grad():
+        change(model)
+    return expected, model
+
+
+@pytest.mark.parametrize("change, tensor", [
+    (lambda m: m.model.norm.weight.add_(1e-3), "model.norm.weight"),  # a small shift of one norm
+    (lambda m: m.model.layers[0].mlp.down_proj.weight.mul_(1.5), "model.layers.0.mlp.down_proj.weight"),
+    (lambda m: m.model.layers[1].self_attn.q_proj.weight[3, 5].add_(0.5), "model.layers.1.self_attn.q_proj.weight"),
+])
+def test_a_finetuned_copy_is_refused_naming_the_tensor(change, tensor):
+    expected, model = _finetuned(change)
+    with pytest.raises(FisherSelectError, match=rf"different weights in 1 tensor\(s\), first {tensor}"):
+        models.check_fingerprint(expected, model, "mask file m")
+
+
+def test_fingerprint_covers_every_parameter_and_an_older_one_is_refused():
+    model = tiny_llama()
+    fp = models.fingerprint(model)
+    assert set(fp["tensor_sums"]) == {n for n, _ in model.named_parameters()}
+    old = {k: v for k, v in fp.items() if k not in ("tensor_sums", "version")}
+    with pytest.raises(FisherSelectError, match="no valid model fingerprint of this release"):
+        models.check_fingerprint(old, model, "mask file m")

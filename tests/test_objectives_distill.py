@@ -23,23 +23,9 @@ from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.engine.reference import sequence_logprob
 from fisher_select.calibration.teachers import Teacher, TeacherConfig, check_same_vocabulary, resolve_teacher
 from tests.test_objectives_sft import exact_sft, gradient_sd, projection
-from tests.enumeration import (
-    MAX_NEW,
-    PROMPTS,
-    VOCAB,
-    bound_slack,
-    exact_fisher,
-    exact_token_fisher,
-    flat,
-    moments,
-    records,
-    state_tables,
-    stratified_sd,
-    student,
-    student_outcomes,
-    teacher,
-    teacher_views,
-)
+from tests.enumeration import (MAX_NEW, PROMPTS, VOCAB, bound_slack, exact_fisher, exact_token_fisher, flat,
+                              moments, records, state_tables, stratified_sd, student, student_outcomes,
+                              teacher, teacher_views)
 from tests.tiny import TinyTokenizer, enumeration_model
 
 K = 512  # samples per prompt in the Monte Carlo checks (2 prompts)

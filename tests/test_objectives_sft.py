@@ -20,21 +20,8 @@ from fisher_select.calibration.objectives import Group, RLObjective, SFTDemonstr
 from fisher_select.calibration.objectives.sft import MAX_SIGNAL, SFTConfig, weight_diagnostics
 from fisher_select.engine.reference import per_sample_scores
 from fisher_select.calibration.teachers import Teacher, TeacherConfig
-from tests.enumeration import (
-    MAX_NEW,
-    PROMPTS,
-    VOCAB,
-    bound_slack,
-    exact_fisher,
-    flat,
-    moments,
-    records,
-    stratified_sd,
-    student,
-    student_outcomes,
-    teacher,
-    teacher_views,
-)
+from tests.enumeration import (MAX_NEW, PROMPTS, VOCAB, bound_slack, exact_fisher, flat, moments, records,
+                              stratified_sd, student, student_outcomes, teacher, teacher_views)
 from tests.tiny import TinyTokenizer
 
 K = 512  # samples per prompt in the Monte Carlo checks (2 prompts)
@@ -162,11 +149,13 @@ def test_huge_weights_do_not_overflow_and_are_reported():
     """log w = 800 overflows w in fp64: S is inf (the true value exceeds fp64), the signal is clipped,
     ESS and the largest share still come out (computed from log w), warnings say all of it."""
     obj = SFTObjective(Teacher(student()))
-    obj.demonstrator = _FixedDensity([0.0, -800.0, -math.inf, -800.0])
+    obj.teacher = _FixedDensity([0.0, -800.0, -math.inf, -800.0])
     out = obj.signals(_group([-800.0, -800.0, -3.0, -800.0]), None)  # log w = 800, 0, -inf, 0
     assert out.signal[0] == MAX_SIGNAL and out.signal[2] == -1.0 and out.signal[1] == 0.0
     assert math.isinf(out.scale_term)
-    summary = obj.summary()
+    stats = obj.new_statistics()  # the calibrator's side: statistics of the groups seen
+    stats.add(out)
+    summary = obj.summary(stats)
     entry = summary["weights"]["per_prompt"][0]
     assert entry["ess"] == pytest.approx(1.0) and entry["max_weight_share"] == pytest.approx(1.0)
     text = " ".join(summary["warnings"])
@@ -184,7 +173,7 @@ def test_moderate_weights_give_textbook_ess():
 
 def test_nan_demonstrator_is_an_error():
     obj = SFTObjective(Teacher(student()))
-    obj.demonstrator = _FixedDensity([math.nan, 0.0])
+    obj.teacher = _FixedDensity([math.nan, 0.0])
     with pytest.raises(FisherSelectError, match="NaN"):
         obj.signals(_group([-1.0, -1.0]), None)
 

@@ -25,30 +25,17 @@ from fisher_select.outputs.peft_hints import (
     shira_config,
 )
 from fisher_select.rundir import Run
-from tests.tiny import run_command, write_run_dir
+from tests import runs
+from tests.runs import write_run_dir
+from tests.tiny import run_command
 
 
 
 
 def make_run(model, fisher: dict[str, torch.Tensor], run_id: str = "run-x") -> Run:
     """A run over ``model`` with the given Fisher; the report records no module types."""
-    modules = []
-    for name, module in model.named_modules():
-        params = [f"{name}.{k}" for k, _ in module.named_parameters(recurse=False)]
-        params = [p for p in params if p in fisher]
-        if params:
-            mass = sum(float(fisher[p].double().sum()) for p in params)
-            modules.append({"name": name, "numel": sum(fisher[p].numel() for p in params),
-                            "fisher_mass": mass, "parameters": params})
-    modules.sort(key=lambda m: -m["fisher_mass"])
-    report = {
-        "run_id": run_id,
-        "model": {"name": "test", "path": "/nowhere", "fingerprint": fingerprint(model)},
-        "objectives": [{"name": "rl", "type": "rl", "signal_scale": 0.5}],
-        "caveats": [],
-        "modules": modules,
-    }
-    return Run(report=report, fisher=fisher)
+    return runs.make_run(fisher, objectives=[{"name": "rl", "signal_scale": 0.5}], fingerprint=fingerprint(model),
+                         model_name="test", run_id=run_id)
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -126,13 +113,13 @@ def test_lora_config_on_embedded_model_builds_trains_with_allocated_ranks(smol):
 def test_coverage_picks_fewest_modules_by_mass(smol):
     model, run = smol
     hints = lora_hints(run, coverage=0.5)
-    eligible = [m for m in run.report["modules"]
-                if run.fisher[m["parameters"][0]].dim() == 2 and "embed" not in m["name"]]
-    masses = sorted((m["fisher_mass"] for m in eligible), reverse=True)
+    eligible = [m for m in run.report.modules
+                if run.fisher[m.parameters[0]].dim() == 2 and "embed" not in m.name]
+    masses = sorted((m.fisher_mass for m in eligible), reverse=True)
     total = sum(masses)
     n = next(i + 1 for i in range(len(masses)) if sum(masses[: i + 1]) >= 0.5 * total)
     assert len(hints["target_modules"]) == n
-    chosen = {m["name"]: m["fisher_mass"] for m in eligible if m["name"] in hints["target_modules"]}
+    chosen = {m.name: m.fisher_mass for m in eligible if m.name in hints["target_modules"]}
     assert min(chosen.values()) >= masses[n - 1]
     assert hints["fisher_select"]["selection"]["covered"] >= 0.5
 

@@ -169,3 +169,29 @@ def test_arithmetic_generator_reproduces_committed_file():
     assert ARITHMETIC.read_text(encoding="utf-8") == "\n".join(lines) + "\n"
     for problem in module.make_problems():
         assert problem["prompt"].endswith("Answer with the number only.")
+
+
+def test_asking_for_more_prompts_than_the_file_has_is_an_error(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "p0"}\n{"prompt": "p1"}\n')
+    with pytest.raises(FisherSelectError, match="3 prompts were asked for .* has only 2; pass --num-prompts 2"):
+        load_prompts(path, limit=3)
+    assert len(load_prompts(path, limit=2)) == 2
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-tied"])  # learned positions (n_positions) and RoPE (max_position_embeddings)
+def test_prompts_longer_than_the_context_are_refused_before_sampling(name):
+    from fisher_select import RLObjective, calibrate
+    from tests.tiny import TinyTokenizer, tiny_model
+
+    model = tiny_model(name)
+    limit = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    long = PromptRecord(1, " ".join(["3"] * (limit - 4)), None, {})
+    prompts = [PromptRecord(0, "2 3", None, {}), long]
+    calls = []
+    with pytest.raises(FisherSelectError, match=rf"1 of 2 prompts do not fit the model's context of {limit} positions "
+                                                 rf"with max_new_tokens=8: the longest, prompt 1 .* has {limit - 4} tokens; "
+                                                 r".*lower --max-new-tokens to 4 or less"):
+        calibrate(model, TinyTokenizer(64), prompts, RLObjective(lambda r, t: calls.append(t) or 0.0),
+                  samples_per_prompt=2, max_new_tokens=8, progress=False)
+    assert calls == []  # nothing was sampled

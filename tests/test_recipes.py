@@ -137,3 +137,110 @@ def test_demonstrations_file_covers_every_prompt_of_the_prompts_file():
     prompts = load_prompts(recipe.prompts)
     objective.prepare(None, prompts)  # raises naming the first prompt without a demonstration
     assert len(objective.pairs) == len(prompts) and objective.unused == 0
+
+
+# --- one source of config: errors, generated docs, defaults ------------------------------------------------
+
+def _refused(tmp_path, text, overrides=None) -> str:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(FisherSelectError) as err:
+        load_recipe(path, overrides)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+GOOD = "prompts: p.jsonl\nobjective: {type: rl, reward: {type: numeric_match}}\n"
+
+
+def test_error_prefix_names_the_source_once(tmp_path):
+    message = _refused(tmp_path, GOOD, {"dtype": "float8", "seed": None})
+    path = str(tmp_path / "r.yaml")
+    assert message.startswith(f"invalid recipe {path} with --dtype: dtype: expected one of float32, bfloat16")
+    assert message.count(path) == 1 and "command line" not in message and "--seed" not in message
+
+
+def test_every_problem_is_listed_in_one_error(tmp_path):
+    text = GOOD + "samples_per_prompt: 0\nquantization: int4\nsampling: {top_k: 5}\nbogus: 1\n"
+    message = _refused(tmp_path, text, {"dtype": "float8"})
+    for needle in ("samples_per_prompt: must be at least 1, got 0", "quantization: expected one of nf4, fp4, int8",
+                   "sampling.top_k=5 is not plain sampling", "unknown key 'bogus'", "dtype: expected one of"):
+        assert needle in message, needle
+    assert message.count("invalid recipe") == 1
+
+
+def test_allowed_keys_include_objective(tmp_path):
+    message = _refused(tmp_path, GOOD + "temprature: 0.7\n")
+    allowed = message.split("(allowed: ")[1].split(")")[0].split(", ")
+    assert "objective" in allowed and "objectives" in allowed and "samples_per_prompt" in allowed
+
+
+def test_broken_yaml_names_line_and_column(tmp_path):
+    message = _refused(tmp_path, "prompts: p.jsonl\nobjective:\n  type: rl\n   reward: x\n")
+    assert "not valid YAML: line 4, column 10: mapping values are not allowed here" in message
+    message = _refused(tmp_path, "prompts: p.jsonl\nseed: [1, 2\nmodel: x\n")
+    assert "line 3, column 6" in message and "flow sequence that starts at line 2, column 7" in message
+
+
+def test_overrides_replace_the_file_and_flag_paths_are_relative_to_the_working_directory(tmp_path, monkeypatch):
+    path = tmp_path / "r.yaml"
+    path.write_text(GOOD + "seed: 3\n")
+    monkeypatch.chdir(tmp_path.parent)
+    assert load_recipe(path).prompts == str(tmp_path / "p.jsonl")  # the file's path: beside the file
+    recipe = load_recipe(path, {"prompts": "q.jsonl", "samples_per_prompt": 2, "seed": None})
+    assert recipe.prompts == str(tmp_path.parent / "q.jsonl")
+    assert (recipe.samples_per_prompt, recipe.seed) == (2, 3)
+
+
+def test_recipe_defaults_are_the_calibration_settings():
+    import dataclasses
+    import inspect
+
+    from fisher_select.calibration.settings import CalibrationSettings
+    from fisher_select.config import RecipeConfig
+
+    recipe = {f.name: f for f in dataclasses.fields(RecipeConfig)}
+    signature = inspect.signature(calibrate).parameters
+    for f in dataclasses.fields(CalibrationSettings):
+        assert recipe[f.name].default == f.default == signature[f.name].default, f.name
+        assert recipe[f.name].metadata == f.metadata and f.metadata["help"]
+
+
+def test_every_recipe_field_has_help():
+    import dataclasses
+
+    from fisher_select.calibration.sampling import SamplingConfig
+    from fisher_select.calibration.teachers import TeacherConfig
+    from fisher_select.config import RecipeConfig
+    from fisher_select.validation import field_help
+
+    for cls in (RecipeConfig, SamplingConfig, TeacherConfig):
+        for f in dataclasses.fields(cls):
+            assert field_help(f).strip(), f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize("path", sorted(recipes_dir().glob("*.yaml")), ids=lambda p: p.stem)
+def test_recipes_show_yaml_is_the_resolved_configuration_with_help(path):
+    import yaml
+
+    from fisher_select.config import commented_yaml, recipe_to_dict
+
+    recipe = load_recipe(path)
+    text = commented_yaml(recipe)
+    assert yaml.safe_load(text) == recipe_to_dict(recipe)
+    assert "# responses K sampled per prompt" in text and "one of float32, bfloat16, float16, auto" in text
+
+
+def test_recipes_fields_prints_the_committed_reference(capsys):
+    from fisher_select.config import REGENERATE, recipe_reference
+
+    args = _cli("recipes", "fields")
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert printed == recipe_reference() + "\n"
+    committed = (Path(__file__).resolve().parent.parent / "docs" / "RECIPES.md").read_text(encoding="utf-8")
+    assert committed == printed, f"docs/RECIPES.md is out of date; regenerate it: {REGENERATE}"
+    for needle in ("| `samples_per_prompt` | `int` | `4` |", "`sampling.top_k`", "### `type: rl`",
+                   "### `type: opd-full`", "## Teacher and demonstrator keys", "one of nf4, fp4, int8"):
+        assert needle in committed, needle

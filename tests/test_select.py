@@ -29,28 +29,14 @@ SHAPES = {  # deliberately not in sorted order; mixes 2-D weights with 1-D param
     "mlp.down.weight": (5, 6),
 }
 SCALE = 2.0
-from tests.tiny import run_command, write_run_dir
+from tests import runs
+from tests.runs import write_run_dir
+from tests.tiny import run_command
 
 
 def make_run(fisher: dict[str, torch.Tensor], scale: float | None = SCALE) -> Run:
-    modules = {}
-    for name in fisher:
-        modules.setdefault(name.rpartition(".")[0], []).append(name)
-    report = {
-        "run_id": "run-test",
-        "model": {"name": "synthetic", "path": "/nowhere", "fingerprint": {"id": "synthetic"}},
-        "objectives": [
-            {"name": "rl", "type": "rl", "signal_scale": scale},
-            {"name": "sft", "type": "sft", "signal_scale": 8.0},
-        ],
-        "caveats": ["the bound covers one step"],
-        "modules": [
-            {"name": m, "numel": sum(fisher[p].numel() for p in ps),
-             "fisher_mass": sum(float(fisher[p].sum()) for p in ps), "parameters": ps}
-            for m, ps in modules.items()
-        ],
-    }
-    return Run(report=report, fisher=fisher)
+    return runs.make_run(fisher, objectives=[{"name": "rl", "signal_scale": scale}, {"name": "sft", "signal_scale": 8.0}],
+                         caveats=["the bound covers one step"])
 
 
 def tied_fisher(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -347,3 +333,12 @@ def test_cli_select_writes_masks_and_prints_counts(tmp_path, capsys):
         run_command(["select", str(run_dir), "--top", "2", "--out", str(tmp_path / "x.safetensors")])
     with pytest.raises(SystemExit):  # argparse: the rules are mutually exclusive
         run_command(["select", str(run_dir), "--top", "0.1", "--mass", "0.5", "--out", str(out)])
+
+
+def test_zero_signal_scale_refuses_threshold_and_warns_on_rankings():
+    run = make_run(continuous_fisher(), scale=0.0)
+    with pytest.raises(FisherSelectError, match="S = 0.*--threshold would select nothing"):
+        select_masks(run, threshold=1e-4)
+    got = select_masks(run, top=0.2)
+    assert len(got.meta["warnings"]) == 1 and "ranks by F alone" in got.meta["warnings"][0]
+    assert select_masks(make_run(continuous_fisher()), top=0.2).meta["warnings"] == []

@@ -129,16 +129,6 @@ def enumeration_model(seed: int = 0, vocab: int = 5):
     return model.eval()
 
 
-def write_run_dir(run, path):
-    """A minimal run directory (fisher + report) from an in-memory Run."""
-    from fisher_select.rundir import FISHER_FILE, REPORT_FILE, save_tensors, write_json
-
-    path.mkdir()
-    save_tensors(path / FISHER_FILE, run.fisher)
-    write_json(path / REPORT_FILE, run.report)
-    return path
-
-
 def run_command(argv):
     """Run one CLI command's handler directly, so FisherSelectError propagates to pytest.raises."""
     from fisher_select.cli import build_parser

@@ -14,14 +14,17 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from fisher_select.calibration.distributed import all_reduce_int, all_reduce_sums, gather_objects, rank_world, seed_for_rank, shard
+from fisher_select.calibration.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
+                                                   rank_world, seed_for_rank, shard)
 from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage, score_sums
 from fisher_select.errors import FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
-from fisher_select.calibration.objectives import Context, Group, Objective
-from fisher_select.calibration.prompts import PromptRecord, render_prompt
-from fisher_select.engine.rules.bnb import keep_trainable_layout
-from fisher_select.rundir import coordinate_bound
+from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
+from fisher_select.calibration.settings import CalibrationSettings
+from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
+from fisher_select.engine.rules import guard_model
+from fisher_select.rundir import BoundsView
+from fisher_select.report.statistics import SplitHalf, compare_halves
 from fisher_select.calibration.sampling import SamplingConfig, left_pad, sample_responses
 
 
@@ -33,11 +36,12 @@ class ObjectiveResult:
     signal_scale: float | None
     grad_estimate: dict[str, torch.Tensor]
     summary: dict
+    token_level: bool = False  # bounded with the token-level Fisher
 
 
 @dataclass
-class Calibration:
-    """Result of ``calibrate``: means over all N*K samples (not sums)."""
+class Calibration(BoundsView):
+    """Result of ``calibrate``: means over all N*K samples (not sums). Bounds: ``BoundsView``."""
 
     fisher: dict[str, torch.Tensor]  # F_i = mean_n h_{n,i}^2
     score_mean: dict[str, torch.Tensor]  # mean_n h_n, ~0 (a check of the sampling)
@@ -49,10 +53,7 @@ class Calibration:
     coverage: dict = field(default_factory=dict)
     checks: dict = field(default_factory=dict)
     token_fisher: dict[str, torch.Tensor] | None = None  # F^tok, when a token-level objective ran
-
-    @property
-    def signal_scale(self) -> float | None:
-        return self.objectives[0].signal_scale
+    diagnostics: "CalibrationDiagnostics | None" = None  # what the report's uncertainty and stability need
 
     @property
     def grad_estimate(self) -> dict[str, torch.Tensor]:
@@ -62,37 +63,6 @@ class Calibration:
     def truncation_rate(self) -> float:
         return self.num_truncated / max(1, self.num_samples)
 
-    def objective(self, name: str | None) -> ObjectiveResult:
-        if name is None:
-            return self.objectives[0]
-        for o in self.objectives:
-            if o.name == name:
-                return o
-        raise FisherSelectError(f"no objective {name!r}; have {[o.name for o in self.objectives]}")
-
-    def fisher_for(self, objective: str | None = None) -> dict[str, torch.Tensor]:
-        """The Fisher an objective's bound uses: token-level for token-level objectives."""
-        token = self.objective(objective).summary.get("token_level", False)
-        return self.token_fisher if token else self.fisher
-
-    def bound(self, objective: str | None = None) -> dict[str, torch.Tensor]:
-        """``sqrt(F_i * S)``; ``sqrt(F_i)`` when S is unknown (same ranking, no absolute scale)."""
-        return coordinate_bound(self.fisher_for(objective), self.objective(objective).signal_scale)
-
-    def mixed_bound(self, weights: dict[str, float]) -> dict[str, torch.Tensor]:
-        """``sum_o |c_o| sqrt(F^(o)_i S_o)`` for a weighted mix of objectives on the same samples.
-
-        For sequence-level objectives F^(o) = F and this is ``sqrt(F_i) sum_o |c_o| sqrt(S_o)``
-        (MATH.md); a token-level objective brings its own factor sqrt(F^tok_i S_tok).
-        """
-        out: dict[str, torch.Tensor] = {}
-        for name, c in weights.items():
-            if self.objective(name).signal_scale is None:
-                raise FisherSelectError(f"objective {name!r} has an unknown signal scale; it cannot enter a mixed bound")
-            for n, b in self.bound(name).items():
-                out[n] = out[n] + abs(c) * b if n in out else abs(c) * b
-        return out
-
 
 def calibrate(
     model,
@@ -100,46 +70,49 @@ def calibrate(
     prompts: list[PromptRecord],
     objective: Objective | list[Objective],
     *,
-    samples_per_prompt: int = 4,
-    max_new_tokens: int = 64,
-    seed: int = 0,
-    batch_size: int = 8,
+    samples_per_prompt: int = CalibrationSettings.samples_per_prompt,
+    max_new_tokens: int = CalibrationSettings.max_new_tokens,
+    seed: int = CalibrationSettings.seed,
+    batch_size: int = CalibrationSettings.batch_size,
     sampling: SamplingConfig | None = None,
     progress: bool = True,
     verify: bool = True,
+    stability: bool = True,
 ) -> Calibration:
     """Estimate the model Fisher from the model's own samples and each objective's signal scale.
 
     ``objective`` may be a list: F is computed once, each objective gets its own S and gradient
-    estimate. Objectives have two hooks (no-ops by default): ``prepare(ctx, prompts)``, called
-    before sampling (load a teacher, check its data against the prompts; raise
-    FisherSelectError), and ``finish(cal, ctx) -> dict``, called at the end with the finished
-    Calibration; its dict is merged into the objective's summary, and it may replace its
-    ``grad_estimate`` (SFT from demonstrations: the demonstrations' mean score). ``verify``
+    estimate. Objective instances hold no statistics (the calibration does), so one may be used
+    in several calibrations. ``prepare(ctx, prompts)`` runs before sampling (load a teacher,
+    check its data against the prompts; raise FisherSelectError). An objective with
+    ``extra_rows(ctx)`` (SFT from demonstrations) gets those rows scored here, with this
+    calibration's coverage, and ``extra_result(mean_score, fisher)`` turns their mean score into
+    its gradient estimate and summary fields. ``verify``
     compares the engine's score sums with plain autograd on the first batch (catches a
-    parameter used outside its module, which no hook could see).
+    parameter used outside its module, which no hook could see). ``stability`` keeps the split-half
+    and per-batch diagnostics of the report (``_Stability``: 4 bytes per parameter coordinate more).
     """
     objectives = objective if isinstance(objective, list) else [objective]
     check_inputs(prompts, objectives, samples_per_prompt, sampling or SamplingConfig())
     was_training = model.training
     model.eval()
     try:
-        with keep_trainable_layout(model):
+        with guard_model(model):  # layers stay differentiable while sampling (bitsandbytes)
             return _Calibrator(model, tokenizer, objectives, samples_per_prompt, max_new_tokens, seed,
-                               batch_size, progress, verify).run(prompts)
+                               batch_size, progress, verify, stability=stability).execute(prompts)
     finally:
         model.train(was_training)
 
 
-def check_inputs(prompts, objectives, k, sampling: SamplingConfig) -> None:
-    """Every problem with the calibration settings, as one error (before any model work)."""
-    problems = sampling.problems()
+def check_inputs(prompts, objectives, k, sampling: SamplingConfig | None) -> None:
+    """Every problem with the calibration settings, as one error (before any model work).
+
+    ``sampling=None``: its settings were checked already (a recipe checks them when it loads).
+    """
+    problems = sampling.problems() if sampling is not None else []
     if not prompts:
         problems.append("no prompts to calibrate on")
     for o in objectives:
-        if o.used:
-            problems.append(f"objective {o.name!r} already holds statistics from another calibration; "
-                            "pass a new objective instance")
         if k < o.min_samples_per_prompt:
             problems.append(
                 f"objective {o.name!r} needs samples_per_prompt >= {o.min_samples_per_prompt} "
@@ -167,20 +140,26 @@ def eos_ids_of(model, tokenizer) -> set[int]:
 
 @dataclass
 class _Batch:
-    """A scoring batch: prompt + response rows, left padded."""
+    """A scoring batch: prompt + response rows, left padded, with every objective's group signals."""
 
     input_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, T)
     response_mask: torch.Tensor  # (B, T) True at response tokens
     groups: list[Group]
+    signals: list[list[GroupSignal]]  # [objective][group]
+
+    def sequence_signal(self, device) -> torch.Tensor:
+        """(O, B) sequence-level signals; token-level objectives contribute zeros here."""
+        return torch.stack([torch.cat([s.signal for s in row]) for row in self.signals]).to(device)
 
 
 class _Calibrator:
     """State of one calibration pass (accumulators, generator, progress bars)."""
 
-    def __init__(self, model, tokenizer, objectives, k, max_new_tokens, seed, batch_size, progress, verify):
+    def __init__(self, model, tokenizer, objectives, k, max_new_tokens, seed, batch_size, progress, verify,
+                 stability: bool = False):
         self.model, self.tokenizer, self.objectives = model, tokenizer, objectives
-        self.k, self.max_new_tokens, self.verify = k, max_new_tokens, verify
+        self.k, self.max_new_tokens, self.verify, self.batch_size = k, max_new_tokens, verify, batch_size
         self.groups_per_batch = max(1, batch_size // k)
         self.device = next(model.parameters()).device
         self.cov: Coverage = plan_coverage(model)
@@ -192,15 +171,20 @@ class _Calibrator:
         self.ctx = Context(model, tokenizer, self.device)
         self.progress = progress
         self.sums: ScoreSums | None = None
-        self.token = TokenLevel(self) if any(o.token_level for o in objectives) else None
+        self.stats = [o.new_statistics() for o in objectives]  # one per objective, group by group
+        self.token_index = [i for i, o in enumerate(objectives) if o.token_level]
+        self.token = self._token_level() if self.token_index else None
         self.samples: list[dict] = []
         self.checks: dict = {}
+        self.stability = _Stability(self.cov) if stability else None
 
-    def run(self, all_prompts: list[PromptRecord]) -> Calibration:
+    def execute(self, all_prompts: list[PromptRecord]) -> Calibration:
+        every = [render_prompt(self.tokenizer, r) for r in all_prompts]
+        check_context(self.model, all_prompts, every, self.max_new_tokens)  # all prompts: every rank agrees
         prompts = shard(all_prompts, self.rank, self.world)  # this rank's share (all of them alone)
-        rendered = [render_prompt(self.tokenizer, r) for r in prompts]
+        rendered = shard(every, self.rank, self.world)
         for o in self.objectives:  # load a teacher, check data against the prompts
-            o.prepare(self.ctx, all_prompts)  # all of them: finish() results must not depend on the rank
+            o.prepare(self.ctx, all_prompts)  # all of them: what it resolves must not depend on the rank
         total = len(prompts) * self.k
         bar_s = tqdm(total=total, desc="sampling", unit="sample", disable=not self.progress)
         bar_f = tqdm(total=total, desc="scoring ", unit="sample", disable=not self.progress)
@@ -208,13 +192,22 @@ class _Calibrator:
             for i in range(0, len(prompts), self.groups_per_batch):
                 groups = self._sample(prompts[i : i + self.groups_per_batch], rendered[i : i + self.groups_per_batch])
                 bar_s.update(len(groups) * self.k)
-                signal = self._signals(groups)  # (O, B)
-                batch = self._batch(groups)
-                self._score(batch, signal)
+                batch = self._batch(groups, self._signals(groups))
+                self._score(batch)
                 bar_f.update(len(groups) * self.k)
+        extra = [self._extra_mean_score(o) for o in self.objectives]
         if self.world > 1:
             self._merge_ranks()
-        return self._result(len(all_prompts))
+        split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
+        cal = self._result(len(all_prompts), extra)
+        cal.diagnostics = calibration_diagnostics(self.stats, self.stability, split)
+        return cal
+
+    def _token_level(self) -> "TokenLevel":
+        # the sign stream's seed comes from the sampling generator, drawn before any sampling
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
+        draws = max(self.objectives[i].sign_draws for i in self.token_index)
+        return TokenLevel(self.model, self.cov, self.device, seed, draws, len(self.token_index))
 
     def _sample(self, records, rendered) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
@@ -228,45 +221,66 @@ class _Calibrator:
                                 [s.logprob for s in part], [s.ended for s in part]))
         return groups
 
-    def _signals(self, groups: list[Group]) -> torch.Tensor:
-        """(O, B) sequence-level signals; token-level objectives contribute zeros here."""
-        rows = []
-        for o in self.objectives:
-            parts = []
-            for g in groups:
-                out = o.signals(g, self.ctx)
-                g.signals[o.name], g.values[o.name] = out.signal, out
-                parts.append(out.signal)
-            rows.append(torch.cat(parts))
-        return torch.stack(rows).to(self.device)
+    def _signals(self, groups: list[Group]) -> list[list[GroupSignal]]:
+        """[objective][group] signals, each folded into that objective's statistics."""
+        out = []
+        for o, stats in zip(self.objectives, self.stats):
+            row = [o.signals(g, self.ctx) for g in groups]
+            for s in row:
+                stats.add(s)
+            out.append(row)
+        return out
 
-    def _batch(self, groups: list[Group]) -> _Batch:
-        rows, starts = [], []
-        for g in groups:
-            for resp in g.responses:
-                rows.append(g.prompt_ids + resp)
-                starts.append(len(g.prompt_ids))
-        ids, mask = left_pad(rows, self.pad, self.device)
+    def _pad(self, rows: list[ScoringRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded (B, T) input ids, attention mask and response mask of prompt + response rows."""
+        ids, mask = left_pad([r.ids for r in rows], self.pad, self.device)
         resp = torch.zeros_like(ids, dtype=torch.bool)
         width = ids.shape[1]
-        for b, (row, start) in enumerate(zip(rows, starts)):
-            resp[b, width - len(row) + start :] = True
-        return _Batch(ids, mask, resp, groups)
+        for b, r in enumerate(rows):
+            resp[b, width - len(r.ids) + r.start :] = True
+        return ids, mask, resp
 
-    def _score(self, batch: _Batch, signal: torch.Tensor) -> None:
+    def _batch(self, groups: list[Group], signals: list[list[GroupSignal]]) -> _Batch:
+        rows = [ScoringRow(g.prompt_ids + resp, len(g.prompt_ids)) for g in groups for resp in g.responses]
+        return _Batch(*self._pad(rows), groups, signals)
+
+    def _score(self, batch: _Batch) -> None:
+        signal = batch.sequence_signal(self.device)  # (O, B)
         args = (self.model, batch.input_ids, batch.attention_mask, batch.response_mask)
-        if self.sums is None:
+        first = self.sums is None
+        if self.stability is not None:  # the two halves' prompts in two calls
+            self.sums = self.stability.score(self.model, batch, signal, self.sums)
+        elif first:
             self.sums = score_sums(*args, signal, coverage=self.cov)
-            if self.verify:
-                self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov)
         else:
             score_sums(*args, signal, coverage=self.cov, into=self.sums)
+        if first and self.verify:  # the whole first batch's score sums against autograd
+            self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov)
         if self.token is not None:
-            self.token.add(batch)
+            token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
+            self.token.add(*args[1:], token_signals)
         self._record(batch)
 
+    def _extra_mean_score(self, o: Objective) -> dict[str, torch.Tensor] | None:
+        """Mean score of the rows an objective asks for (None: it asks for none), scored like the
+        samples (this calibration's coverage and padding); ranks score a share each and sum."""
+        rows = o.extra_rows(self.ctx)
+        if rows is None:
+            return None
+        sums = ScoreSums.zeros(self.cov, None, squares=False)
+        mine = shard(rows, self.rank, self.world)
+        for i in range(0, len(mine), self.batch_size):
+            ids, mask, resp = self._pad(mine[i : i + self.batch_size])  # (B, T) each
+            score_sums(self.model, ids, mask, resp, coverage=self.cov, into=sums, squares=False)
+        if self.world > 1:
+            sums.count = all_reduce_int(sums.count, self.device)
+            all_reduce_sums(sums.total)
+        return {name: t / sums.count for name, t in sums.total.items()}
+
     def _record(self, batch: _Batch) -> None:
-        for g in batch.groups:
+        names = [o.name for o in self.objectives]
+        for j, g in enumerate(batch.groups):
+            signals = [row[j] for row in batch.signals]  # this group's, per objective
             for k, resp in enumerate(g.responses):
                 self.samples.append({
                     "prompt_index": g.record.index,
@@ -276,8 +290,8 @@ class _Calibrator:
                     "response": g.texts[k],
                     "logprob": g.logprobs[k],
                     "truncated": not g.ended[k],
-                    "signal": {name: float(s[k]) for name, s in g.signals.items()},
-                    "value": {name: (v.values[k] if v.values else None) for name, v in g.values.items()},
+                    "signal": {name: float(s.signal[k]) for name, s in zip(names, signals)},
+                    "value": {name: (s.values[k] if s.values else None) for name, s in zip(names, signals)},
                 })
 
     def _merge_ranks(self) -> None:
@@ -288,32 +302,36 @@ class _Calibrator:
         all_reduce_sums(self.sums.squares, self.sums.total, self.sums.signal)
         if self.token is not None:
             self.token.merge_ranks()
-        for o in self.objectives:
-            o.merge_statistics(gather_objects(o.statistics_state()))
+        self.stats = [merge_statistics(s) for s in self.stats]
         self.samples = [s for part in gather_objects(self.samples) for s in part]
         checks = [c for c in gather_objects(self.checks.get("autograd")) if c]
         if checks:
             self.checks["autograd"] = max(checks, key=lambda c: c["max_relative_error"])
 
-    def _result(self, num_prompts: int) -> Calibration:
+    def _objective_result(self, i: int, fisher: dict, extra_mean: dict | None) -> ObjectiveResult:
+        o, stats, n = self.objectives[i], self.stats[i], self.sums.count
+        if o.token_level:
+            grad = self.token.grad_estimate(self.token_index.index(i))
+        else:
+            grad = {name: s[i] / n for name, s in self.sums.signal.items()}
+        summary = o.summary(stats)
+        if extra_mean is not None:  # results that need F (SFT from demonstrations)
+            done = o.extra_result(extra_mean, fisher)
+            summary.update(done.summary)
+            grad = grad if done.grad_estimate is None else done.grad_estimate
+        return ObjectiveResult(o.name, o.signal_scale(stats), grad, summary, token_level=o.token_level)
+
+    def _result(self, num_prompts: int, extra: list[dict | None]) -> Calibration:
         n = self.sums.count
         fisher = {name: sq / n for name, sq in self.sums.squares.items()}
         score_mean = {name: t / n for name, t in self.sums.total.items()}
-        results = []
-        for i, o in enumerate(self.objectives):
-            if o.token_level:
-                grad = self.token.grad_estimate(o.name)
-            else:
-                grad = {name: s[i] / n for name, s in self.sums.signal.items()}
-            results.append(ObjectiveResult(o.name, o.signal_scale, grad, o.summary()))
+        results = [self._objective_result(i, fisher, mean) for i, mean in enumerate(extra)]
         self.checks["score_mean"] = score_mean_check(fisher, score_mean, n)
         cal = Calibration(fisher, score_mean, results, num_prompts, n,
                           sum(s["truncated"] for s in self.samples), self.samples,
                           self.cov.summary(), self.checks)
         if self.token is not None:
             cal.token_fisher = self.token.fisher()
-        for o, r in zip(self.objectives, cal.objectives):  # results that need F (SFT from demonstrations)
-            r.summary.update(o.finish(cal, self.ctx))
         return cal
 
 
@@ -372,46 +390,139 @@ class TokenLevel:
     has ``E_eps[(d_i u)^2] = sum_t h_{t,i}^2``, so the per-sample squares of one signed backward
     estimate it at the cost of the sequence Fisher (``sign_draws`` backwards reduce the noise).
     The gradient estimate ``mean_n sum_t A_t h_{n,t}`` is the plain score sum of one backward
-    with token weights ``A_t``.
+    with token weights ``A_t``. Gradients are kept per token-level objective, by position.
     """
 
-    def __init__(self, cal: _Calibrator):
-        self.cal = cal
-        self.objectives = [o for o in cal.objectives if o.token_level]
-        self.draws = max(o.sign_draws for o in self.objectives)
-        seed = int(torch.randint(0, 2**62, (1,), generator=cal.generator, device=cal.device))
-        self.signs = torch.Generator(device=cal.device).manual_seed(seed)
+    def __init__(self, model, coverage: Coverage, device, seed: int, draws: int, objectives: int):
+        self.model, self.cov, self.device, self.draws = model, coverage, device, draws
+        self.signs = torch.Generator(device=device).manual_seed(seed)
         self.squares: ScoreSums | None = None
-        self.grads: dict[str, ScoreSums] = {}
+        self.grads: list[ScoreSums | None] = [None] * objectives
 
-    def add(self, batch: _Batch) -> None:
-        args = (self.cal.model, batch.input_ids, batch.attention_mask, batch.response_mask)
+    def add(self, input_ids, attention_mask, response_mask, token_signals: list[list[torch.Tensor]]) -> None:
+        """input_ids, attention_mask, response_mask: (B, T); ``token_signals[j][b]``: (L_b,) signal of
+        the j-th token-level objective at row b's response tokens."""
+        args = (self.model, input_ids, attention_mask, response_mask)
         for _ in range(self.draws):
-            eps = torch.randint(0, 2, batch.input_ids.shape, generator=self.signs, device=self.cal.device) * 2.0 - 1
-            self.squares = score_sums(*args, token_weights=eps, coverage=self.cal.cov, into=self.squares)
-        for o in self.objectives:
-            weights = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.cal.device)
-            rows = [t for g in batch.groups for t in g.values[o.name].extra["token_signal"]]
+            eps = torch.randint(0, 2, input_ids.shape, generator=self.signs, device=self.device) * 2.0 - 1
+            self.squares = score_sums(*args, token_weights=eps, coverage=self.cov, into=self.squares)
+        for j, rows in enumerate(token_signals):
+            weights = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)  # (B, T)
             for b, a in enumerate(rows):
-                weights[b, batch.response_mask[b]] = a.to(weights)
-            self.grads[o.name] = score_sums(*args, token_weights=weights, coverage=self.cal.cov,
-                                            into=self.grads.get(o.name), squares=False)
+                weights[b, response_mask[b]] = a.to(weights)
+            self.grads[j] = score_sums(*args, token_weights=weights, coverage=self.cov, into=self.grads[j],
+                                       squares=False)
 
     def merge_ranks(self) -> None:
-        cal = self.cal
         if self.squares is None:
-            self.squares = ScoreSums.zeros(cal.cov, None)
-        self.squares.count = all_reduce_int(self.squares.count, cal.device)
+            self.squares = ScoreSums.zeros(self.cov, None)
+        self.squares.count = all_reduce_int(self.squares.count, self.device)
         all_reduce_sums(self.squares.squares)
-        for o in self.objectives:
-            sums = self.grads.setdefault(o.name, ScoreSums.zeros(cal.cov, None, squares=False))
-            sums.count = all_reduce_int(sums.count, cal.device)
+        for j, sums in enumerate(self.grads):
+            if sums is None:
+                sums = self.grads[j] = ScoreSums.zeros(self.cov, None, squares=False)
+            sums.count = all_reduce_int(sums.count, self.device)
             all_reduce_sums(sums.total)
 
     def fisher(self) -> dict[str, torch.Tensor]:
         n = self.squares.count  # samples x draws
         return {name: sq / n for name, sq in self.squares.squares.items()}
 
-    def grad_estimate(self, name: str) -> dict[str, torch.Tensor]:
-        sums = self.grads[name]
+    def grad_estimate(self, j: int) -> dict[str, torch.Tensor]:
+        """Mean over samples of sum_t A_t h_t for the j-th token-level objective."""
+        sums = self.grads[j]
         return {k: t / sums.count for k, t in sums.total.items()}
+
+
+# ---------------------------------------------------------------------------
+# Diagnostics for the report: per-prompt scale terms, split halves, per-batch spread
+
+
+@dataclass
+class CalibrationDiagnostics:
+    """What the report's uncertainty and stability sections need beyond F, S and g."""
+
+    scale_terms: list[list[float]]  # per objective, per prompt: its estimate of E[a^2 | x]
+    split_half: SplitHalf | None = None  # None: stability off, or a half without prompts
+    unit_names: list[str] = field(default_factory=list)  # parameter order of ``unit_masses``
+    unit_masses: list[list[float]] = field(default_factory=list)  # per scoring unit: sum of h^2 per parameter
+    unit_counts: list[int] = field(default_factory=list)  # per scoring unit: its samples
+
+
+def calibration_diagnostics(stats, stability: "_Stability | None", split: SplitHalf | None) -> CalibrationDiagnostics:
+    out = CalibrationDiagnostics([list(s.terms) for s in stats], split)
+    if stability is not None:
+        out.unit_names, out.unit_masses, out.unit_counts = stability.names, stability.unit_masses, stability.unit_counts
+    return out
+
+
+class _Stability:
+    """Split halves of the prompts and per-call masses of the squared scores (``calibrate(stability=True)``).
+
+    Prompts with an even ``PromptRecord.index`` form half A, odd ones half B; each batch is scored
+    in two calls, B then A, at no extra backward cost. Half A's squared scores go to their own fp32
+    accumulator, 4 bytes per covered parameter coordinate for the whole calibration (beside the
+    4 + 4 + 4 O of the shared squares, score sums and O signal sums); its score and signal sums join
+    the shared ones. The shared squares hold half B alone until ``close`` folds A in, so both
+    halves are exact sums (no total - half cancellation). Each call is one unit of the spread of
+    module masses: its per-parameter sum of h^2 and its sample count.
+    """
+
+    def __init__(self, cov: Coverage):
+        self.cov = cov
+        self.names = list(cov.shapes)
+        self.squares_a: dict[str, torch.Tensor] | None = None
+        self.samples, self.prompts = [0, 0], [0, 0]  # [half A, half B]
+        self.unit_masses: list[list[float]] = []
+        self.unit_counts: list[int] = []
+        self._running = [[0.0] * len(self.names), [0.0] * len(self.names)]  # per half: running sums per parameter
+
+    def _squares(self) -> dict[str, torch.Tensor]:
+        if self.squares_a is None:
+            self.squares_a = ScoreSums.zeros(self.cov, None, totals=False).squares
+        return self.squares_a
+
+    def score(self, model, batch: _Batch, signal: torch.Tensor, sums: ScoreSums | None) -> ScoreSums:
+        """Score ``batch`` (signal: (O, B)) into ``sums`` (created on the first call) and return it."""
+        k = batch.input_ids.shape[0] // len(batch.groups)  # rows per group
+        for half in (1, 0):
+            picked = [j for j, g in enumerate(batch.groups) if g.record.index % 2 == half]
+            if not picked:
+                continue
+            rows = torch.tensor([j * k + i for j in picked for i in range(k)], device=batch.input_ids.device)
+            ids, mask, resp = (t.index_select(0, rows) for t in
+                               (batch.input_ids, batch.attention_mask, batch.response_mask))  # (b, T) each
+            start = int(mask.any(0).nonzero()[0])  # padding columns these rows share
+            if sums is None:
+                sums = ScoreSums.zeros(self.cov, signal.shape[0])
+            target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0)
+            score_sums(model, ids[:, start:], mask[:, start:], resp[:, start:], signal.index_select(1, rows),
+                       coverage=self.cov, into=target)
+            if half == 0:
+                sums.count += target.count
+            self.samples[half] += len(rows)
+            self.prompts[half] += len(picked)
+            self._unit(half, target.squares, len(rows))
+        return sums
+
+    def _unit(self, half: int, squares: dict[str, torch.Tensor], count: int) -> None:
+        now = [float(squares[n].sum(dtype=torch.float64)) for n in self.names]
+        self.unit_masses.append([a - b for a, b in zip(now, self._running[half])])
+        self.unit_counts.append(count)
+        self._running[half] = now
+
+    def close(self, sums: ScoreSums, world: int, device) -> SplitHalf | None:
+        """After the ranks are merged: compare the halves, then fold half A into ``sums.squares``."""
+        squares_a = self._squares()
+        if world > 1:
+            all_reduce_sums(squares_a)
+            self.samples = [all_reduce_int(c, device) for c in self.samples]
+            self.prompts = [all_reduce_int(c, device) for c in self.prompts]
+            parts = gather_objects((self.unit_masses, self.unit_counts))
+            self.unit_masses = [u for masses, _ in parts for u in masses]
+            self.unit_counts = [c for _, counts in parts for c in counts]
+        split = compare_halves(squares_a, sums.squares, self.samples, self.prompts) if min(self.prompts) else None
+        for name, t in squares_a.items():
+            sums.squares[name].add_(t)
+        self.squares_a = None
+        return split

@@ -1,5 +1,6 @@
 """Data-parallel calibration under torchrun / accelerate: each rank samples and scores its own
-share of the prompts; sums, counts, objective statistics and samples are merged at the end.
+share of the prompts; sums, counts, objective statistics (by their ``merge``) and samples are
+merged at the end.
 
 Nothing here runs unless ``torch.distributed`` is initialised (``init_from_env`` does that when
 the launcher set ``WORLD_SIZE > 1``); a single process behaves exactly as before.
@@ -62,3 +63,12 @@ def gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def merge_statistics(stats):
+    """Every rank's statistics merged in rank order (``to_dict`` travels, ``merge`` combines)."""
+    parts = [type(stats).from_dict(d) for d in gather_objects(stats.to_dict())]
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merge(part)
+    return merged

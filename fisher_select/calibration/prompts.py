@@ -51,6 +51,9 @@ def load_prompts(path, limit: int | None = None) -> list[PromptRecord]:
                 records.append(_parse_line(line, path, lineno))
     if not records:
         raise FisherSelectError(f"prompt file {path} has no prompts; {_EXPECTED} per line")
+    if limit is not None and len(records) < limit:
+        raise FisherSelectError(f"{limit} prompts were asked for (num_prompts) but {path} has only {len(records)}; "
+                                f"pass --num-prompts {len(records)} or fewer, or add prompts to the file")
     return records
 
 
@@ -141,3 +144,30 @@ def _apply_template(tokenizer, messages: list[dict], where: str) -> list[int]:
     if ids and isinstance(ids[0], list):  # a batch of one conversation
         ids = ids[0]
     return [int(i) for i in ids]
+
+
+def context_length(model) -> int | None:
+    """The positions the model was built for (learned positions or RoPE's trained range); None if unknown."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(model.config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(model, records: list[PromptRecord], rendered: list[list[int]], max_new_tokens: int) -> None:
+    """Every prompt plus ``max_new_tokens`` fits the model's context; else one error before any sampling.
+
+    Past its context a model with learned positions fails (index out of range) and a RoPE model
+    runs silently on positions it never saw: both are refused.
+    """
+    limit = context_length(model)
+    if limit is None:
+        return
+    over = [(len(ids), r) for r, ids in zip(records, rendered) if len(ids) + max_new_tokens > limit]
+    if over:
+        n, worst = max(over, key=lambda x: x[0])
+        raise FisherSelectError(
+            f"{len(over)} of {len(records)} prompts do not fit the model's context of {limit} positions with "
+            f"max_new_tokens={max_new_tokens}: the longest, {worst.describe()}, has {n} tokens; shorten or remove "
+            f"those prompts, or lower --max-new-tokens to {max(0, limit - n)} or less")

@@ -47,12 +47,15 @@ def numeric_match(answer_field: str = "answer") -> RewardFn:
     return reward
 
 
+def _required_field(record: PromptRecord, name: str, reward: str):
+    """The prompt's field ``name``, which the reward compares with; every line needs it."""
+    if name not in record.fields:
+        raise FisherSelectError(f'{record.describe()} has no "{name}" field for {reward}; add it to every line')
+    return record.fields[name]
+
+
 def _numeric_answer(record: PromptRecord, field: str) -> float:
-    if field not in record.fields:
-        raise FisherSelectError(
-            f'{record.describe()} has no "{field}" field for numeric_match; add it to every line'
-        )
-    value = record.fields[field]
+    value = _required_field(record, field, "numeric_match")
     try:
         if isinstance(value, bool):
             raise ValueError
@@ -87,11 +90,7 @@ def regex_match(pattern: str, field: str | None = None) -> RewardFn:
 
 
 def _field_text(record: PromptRecord, name: str) -> str:
-    if name not in record.fields:
-        raise FisherSelectError(
-            f'{record.describe()} has no "{name}" field for the regex reward; add it to every line'
-        )
-    return re.escape(str(record.fields[name]))
+    return re.escape(str(_required_field(record, name, "the regex reward")))
 
 
 def _compile(regex: str, pattern: str) -> re.Pattern:

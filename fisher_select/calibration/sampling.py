@@ -9,7 +9,7 @@ told otherwise, and a model's ``generation_config`` may carry top-p or repetitio
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -22,12 +22,13 @@ from fisher_select.engine.logprob import position_ids_from_mask
 class SamplingConfig:
     """Sampling settings. Only the plain setting estimates the model Fisher; others are refused."""
 
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; only 1 is accepted"})
+    top_k: int | None = field(default=None, metadata={"help": "keep the k likeliest tokens; only unset or 0 is accepted"})
+    top_p: float | None = field(default=None, metadata={"help": "nucleus sampling; only unset or 1 is accepted"})
+    min_p: float | None = field(default=None, metadata={"help": "min-p truncation; only unset or 0 is accepted"})
+    typical_p: float | None = field(default=None, metadata={"help": "typical sampling; only unset or 1 is accepted"})
+    repetition_penalty: float | None = field(default=None, metadata={
+        "help": "repetition penalty; only unset or 1 is accepted"})
 
     def problems(self) -> list[str]:
         """Why this setting is not plain ancestral sampling (empty when it is)."""

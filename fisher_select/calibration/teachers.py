@@ -17,7 +17,7 @@ Only the context differs between model and teacher; the response tokens are the 
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,9 +34,13 @@ SELF = "self"  # TeacherConfig.model value: the model being calibrated, under an
 class TeacherConfig:
     """Recipe keys of a teacher (distillation) or demonstrator (SFT)."""
 
-    model: str = SELF  # "self", or a model spec: directory, .gguf file, cached hub id, embedded name
-    system_prompt: str | None = None  # the teacher's system message (or text put before the prompt)
-    user_template: str | None = None  # the teacher's user message; {prompt} = the model's, {field} = record fields
+    model: str = field(default=SELF, metadata={
+        "help": "'self' (the calibrated model under another context), or a model directory, .gguf file, "
+                "cached hub id or embedded name"})
+    system_prompt: str | None = field(default=None, metadata={
+        "help": "the teacher's system message (plain text before the prompt when the tokenizer has no chat template)"})
+    user_template: str | None = field(default=None, metadata={
+        "help": "the teacher's user message: {prompt} is the model's prompt, {name} any field of the prompt record"})
 
     def problems(self) -> list[str]:
         out = []

@@ -2,39 +2,36 @@
 
 from __future__ import annotations
 
-from fisher_select.config import apply_overrides, find_recipe, load_recipe
+from fisher_select.config import RecipeConfig, find_recipe, load_recipe
 from fisher_select.calibration.distributed import rank_world
 from fisher_select.pipeline import run_recipe
 from fisher_select.report.build import summary_lines
-
-# flag -> recipe field; flags override the recipe
-_OVERRIDES = {
-    "model": str, "prompts": str, "num_prompts": int, "samples_per_prompt": int, "max_new_tokens": int,
-    "seed": int, "device": str, "dtype": str, "batch_size": int, "quantization": str,
-}
+from fisher_select.validation import add_dataclass_arguments
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("calibrate", help="sample from the model, estimate Fisher, signal scales and bounds")
+    p = subparsers.add_parser(
+        "calibrate", help="sample from the model, estimate Fisher, signal scales and bounds",
+        description="Run a recipe. Every top-level scalar recipe key is also a flag, which overrides the "
+                    "recipe's value (the default applies when neither sets it); see docs/RECIPES.md.")
     p.add_argument("--recipe", default="rl-arithmetic", help="recipe file or shipped recipe name (default: rl-arithmetic)")
     p.add_argument("--out", required=True, help="run directory to write (atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    for name, kind in _OVERRIDES.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
-                       help=f"override the recipe's {name}")
-    p.set_defaults(func=run)
+    p.add_argument("--all", dest="all_modules", action="store_true",
+                   help="list every module in the summary (default: the top 15 by sum of sqrt(F))")
+    overrides = add_dataclass_arguments(p.add_argument_group("recipe overrides"), RecipeConfig)
+    p.set_defaults(func=run, overrides=tuple(overrides))
 
 
 def run(args) -> int:
     path = find_recipe(args.recipe)
-    recipe = load_recipe(path)
-    recipe = apply_overrides(recipe, {k: getattr(args, k) for k in _OVERRIDES}, f"{path} + command line")
+    recipe = load_recipe(path, {name: getattr(args, name) for name in args.overrides})
     result = run_recipe(recipe, args.out, overwrite=args.overwrite, progress=not args.no_progress,
                         recipe_name=path.stem)
     if rank_world()[0] != 0:  # under torchrun / accelerate, rank 0 writes and reports
         return 0
-    for line in summary_lines(result.report):
+    for line in summary_lines(result.report, top=None if args.all_modules else 15):
         print(line)
     print(f"wrote {result.out}")
     return 0

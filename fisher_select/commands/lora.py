@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fisher_select.errors import FisherSelectError
+from fisher_select.atomic import refuse_existing
+from fisher_select.outputs.hint_settings import LoraHintSettings
 from fisher_select.outputs.selection import CAVEAT
+from fisher_select.validation import add_dataclass_arguments
 
 SNIPPET = """\
 # apply in Python (load_lora_config refuses a model other than the calibrated one):
@@ -14,6 +16,7 @@ from peft import get_peft_model
 from fisher_select.outputs.peft_hints import load_lora_config
 config = load_lora_config({path!r}, model)
 model = get_peft_model(model, config)"""
+_RANK_FLAGS = ("total_rank", "mean_rank", "rank_step", "min_rank", "max_rank", "alpha_ratio")  # LoraHintSettings fields
 
 
 def register(subparsers) -> None:
@@ -26,18 +29,9 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("run", help="run directory written by `fisher-select calibrate`")
-    pick = p.add_mutually_exclusive_group()
-    pick.add_argument("--coverage", type=float, metavar="Q",
-                      help="fewest modules holding fraction Q of the eligible Fisher mass (default 0.9)")
-    pick.add_argument("--top-n", type=int, metavar="N", help="the N modules with the most Fisher mass")
-    p.add_argument("--total-rank", type=int, metavar="R", help="sum of all ranks (default 8 per module)")
-    p.add_argument("--rank-step", type=int, default=4, metavar="S",
-                   help="ranks are multiples of S (default 4)")
-    p.add_argument("--min-rank", type=int, metavar="R", help="smallest rank (default: the rank step)")
-    p.add_argument("--max-rank", type=int, metavar="R",
-                   help="largest rank (default: min(out, in) per module)")
-    p.add_argument("--alpha-ratio", type=float, default=2.0, metavar="A",
-                   help="lora_alpha = A * r for every module (default 2)")
+    pick = p.add_mutually_exclusive_group()  # None for both: lora_hints applies the coverage default
+    add_dataclass_arguments(pick, LoraHintSettings, include=("coverage", "top_n"))
+    add_dataclass_arguments(p, LoraHintSettings, include=_RANK_FLAGS, keep_defaults=True)
     p.add_argument("--layers", type=_int_list, metavar="I,J,...",
                    help="only modules of these layer indices (PEFT layers_to_transform)")
     p.add_argument("--modules", nargs="+", metavar="NAME",
@@ -59,20 +53,9 @@ def run_lora(args: argparse.Namespace) -> int:
     from fisher_select.outputs.peft_hints import lora_hints, save_lora_config
 
     out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise FisherSelectError(f"{out} already exists; pass --overwrite or choose another --out")
-    hints = lora_hints(
-        args.run,
-        coverage=args.coverage,
-        top_n=args.top_n,
-        total_rank=args.total_rank,
-        rank_step=args.rank_step,
-        min_rank=args.min_rank,
-        max_rank=args.max_rank,
-        alpha_ratio=args.alpha_ratio,
-        layers_to_transform=args.layers,
-        modules=args.modules,
-    )
+    refuse_existing([out], args.overwrite)  # before the selection, not after it
+    settings = {name: getattr(args, name) for name in ("coverage", "top_n", *_RANK_FLAGS)}
+    hints = lora_hints(args.run, **settings, layers_to_transform=args.layers, modules=args.modules)
     path = save_lora_config(hints, out, overwrite=args.overwrite)
     _print_targets(hints)
     print(f"wrote {path}")

@@ -3,7 +3,8 @@
 Shipped recipes live in the repository's ``recipes/`` folder beside the package
 (``config.recipes_dir()``). ``show`` accepts a shipped name or any recipe file and prints each
 objective's signal and scale formulas, its data needs and caveats, the notes at the top of the
-file, and the resolved configuration (validated, paths made absolute).
+file, and the resolved configuration (validated, paths made absolute), each key after a comment
+with its help text. ``recipes fields`` prints the reference of every recipe key (docs/RECIPES.md).
 """
 
 from __future__ import annotations
@@ -11,22 +12,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
-from fisher_select.config import build_objectives, find_recipe, load_recipe, recipe_to_dict, recipes_dir
+from fisher_select.config import (build_objectives, commented_yaml, find_recipe, load_recipe, recipe_reference,
+                                  recipe_to_dict, recipes_dir)
 from fisher_select.errors import FisherSelectError
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "recipes",
-        help="list the shipped recipes, or show one (`recipes show NAME`)",
-        description="List the shipped recipes (name, objectives, description), or explain one with `show`.",
+        help="list the shipped recipes, show one (`recipes show NAME`), or every recipe key (`recipes fields`)",
+        description="List the shipped recipes (name, objectives, description), explain one with `show`, "
+                    "or print the reference of every recipe key with `fields` (Markdown, docs/RECIPES.md).",
     )
-    sub = p.add_subparsers(dest="recipes_action", metavar="show")
+    sub = p.add_subparsers(dest="recipes_action", metavar="{show,fields}")
     show = sub.add_parser("show", help="objectives, formulas, data needs, caveats and resolved configuration")
     show.add_argument("name", help="a shipped recipe's name (see `fisher-select recipes`) or a recipe file")
     show.set_defaults(func=run_show)
+    keys = sub.add_parser("fields", help="every recipe and objective key: type, default, description (Markdown)")
+    keys.set_defaults(func=run_fields)
     p.set_defaults(func=run_list)
 
 
@@ -72,7 +75,12 @@ def run_show(args: argparse.Namespace) -> int:
         for line in notes:
             print(f"  {line}")
     print("\nresolved configuration:")
-    print(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True).rstrip())
+    print(commented_yaml(recipe))
+    return 0
+
+
+def run_fields(args: argparse.Namespace) -> int:
+    print(recipe_reference())
     return 0
 
 

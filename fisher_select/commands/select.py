@@ -5,19 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fisher_select.errors import FisherSelectError
+from fisher_select.atomic import refuse_existing
 from fisher_select.outputs.selection import CAVEAT, STRUCTURES, save_masks, select_masks, sidecar_path
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "select",
-        help="select the coordinates fine-tuning is likely to move (a mask file)",
-        description=(
-            "Select coordinates of a calibration run by one rule and write bool masks "
-            "(True = selected) as safetensors, with a JSON sidecar <out>.json."
-        ),
-    )
+    p = subparsers.add_parser("select", help="select the coordinates fine-tuning is likely to move (a mask file)",
+                              description="Select coordinates of a calibration run by one rule and write bool masks "
+                                          "(True = selected) as safetensors, with a JSON sidecar <out>.json.")
     p.add_argument("run", help="run directory written by `fisher-select calibrate`")
     rule = p.add_mutually_exclusive_group(required=True)
     rule.add_argument("--top", type=float, metavar="F",
@@ -38,11 +33,7 @@ def register(subparsers) -> None:
 
 def run_select(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if not args.overwrite and (out.exists() or sidecar_path(out).exists()):
-        # Refuse before the (possibly long) selection rather than after it.
-        raise FisherSelectError(
-            f"{args.out} (or its sidecar) already exists; pass --overwrite or choose another --out"
-        )
+    refuse_existing([out, sidecar_path(out)], args.overwrite)  # before the (possibly long) selection
     maskset = select_masks(
         args.run,
         top=args.top,
@@ -54,6 +45,8 @@ def run_select(args: argparse.Namespace) -> int:
     )
     path = save_masks(maskset, out, overwrite=args.overwrite)
     _print_counts(maskset.meta)
+    for warning in maskset.meta["warnings"]:
+        print(f"warning: {warning}")
     print(f"wrote {path} and {sidecar_path(path).name}")
     print(CAVEAT)
     return 0

@@ -16,9 +16,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision logits (never bf16 log-softmax); float64 stays float64 (exactness tests)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """(B, T, V), (B, T) -> (B, T): ``log pi(ids[:, t] | ids[:, :t])`` for t >= 1; 0 at t = 0."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # fp32 always
+    logp = torch.log_softmax(logits[:, :-1].to(_at_least_fp32(logits)), dim=-1)  # fp32 at least
     picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     return F.pad(picked, (1, 0))
 
@@ -60,10 +65,10 @@ def response_logprobs(
         return (forward_logits(model, input_ids, attention_mask, 1).sum() * 0).expand(input_ids.shape[0])
     start = int(columns[0]) - 1  # the first logits column any response token needs
     logits = forward_logits(model, input_ids, attention_mask, input_ids.shape[1] - start)  # (B, T-start, V)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # fp32 always
+    logp = torch.log_softmax(logits[:, :-1].to(_at_least_fp32(logits)), dim=-1)  # fp32 at least
     here = logits.device  # the output head's device, when a model spans several
     per_token = logp.gather(-1, input_ids[:, start + 1 :, None].to(here)).squeeze(-1)  # (B, T-start-1)
-    weights = response_mask[:, start + 1 :].to(here).float()
+    weights = response_mask[:, start + 1 :].to(here).to(logp.dtype)
     if token_weights is not None:
-        weights = weights * token_weights[:, start + 1 :].to(here).float()
+        weights = weights * token_weights[:, start + 1 :].to(here).to(logp.dtype)
     return (per_token * weights).sum(-1)

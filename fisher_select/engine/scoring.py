@@ -11,7 +11,7 @@ fallback (one backward per sample through the same graph), never skipped.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -19,33 +19,48 @@ from torch import nn
 from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
-from fisher_select.engine.rules.bnb import check_layout
+from fisher_select.engine.rules.base import Summed
 
 DEFAULT_BLOCK = 1 << 19  # elements in one dense per-sample piece (2 MiB fp32: stays in cache)
 
 
 @dataclass
 class ScoreSums:
-    """Sums over the batch's samples n of per-sample scores h_n (fp32, parameter-shaped)."""
+    """Sums over the batch's samples n of per-sample scores h_n (parameter-shaped, fp32 by default).
+
+    Each kind of sum exists only when asked for (``score_sums(squares=, totals=, signal=)``),
+    and only for the parameters asked for (``params=``).
+    """
 
     squares: dict[str, torch.Tensor] | None  # sum_n h_n**2 (None when not asked for)
     signal: dict[str, torch.Tensor] | None  # sum_n a_n h_n, when a signal was given
-    total: dict[str, torch.Tensor]  # sum_n h_n
+    total: dict[str, torch.Tensor] | None  # sum_n h_n (None when not asked for)
     count: int  # B
 
     @classmethod
-    def zeros(cls, cov: "Coverage", signals: int | None, squares: bool = True) -> "ScoreSums":
+    def zeros(cls, cov: "Coverage", signals: int | None, squares: bool = True,
+              dtype: torch.dtype = torch.float32, *, totals: bool = True,
+              device: torch.device | str | None = None) -> "ScoreSums":
         """Empty sums to accumulate into; ``signals``: None, or the O of an (O, B) signal.
 
         Each accumulator lives on its parameter's device, so a model spread over several GPUs
-        (``device_map="auto"``) accumulates where its per-sample gradients are computed.
+        (``device_map="auto"``) accumulates where its per-sample gradients are computed, unless
+        ``device`` says otherwise (``"cpu"``: host memory, pinned when CUDA is present, for
+        models whose accumulators do not fit beside the weights).
         """
+        pin = device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available()
+
         def zeros(n, *lead):
-            return torch.zeros(*lead, *cov.shapes[n], dtype=torch.float32, device=cov.params[n].device)
+            where = cov.params[n].device if device is None else device
+            return torch.zeros(*lead, *cov.shapes[n], dtype=dtype, device=where, pin_memory=pin)
 
         signal = None if signals is None else {n: zeros(n, signals) for n in cov.shapes}
         sq = {n: zeros(n) for n in cov.shapes} if squares else None
-        return cls(sq, signal, {n: zeros(n) for n in cov.shapes}, 0)
+        return cls(sq, signal, {n: zeros(n) for n in cov.shapes} if totals else None, 0)
+
+    def nbytes(self) -> int:
+        """Bytes held by the accumulators (what a memory mode costs)."""
+        return sum(t.numel() * t.element_size() for d in (self.squares, self.signal, self.total) if d for t in d.values())
 
 
 @dataclass
@@ -67,13 +82,17 @@ class Coverage:
     params: dict[str, nn.Parameter] = field(default_factory=dict)
 
     module_types: dict[str, str] = field(default_factory=dict)  # module name -> class name
+    # What the rules say about the model's modules, recorded so a run answers without the model:
+    linear_like: list[str] = field(default_factory=list)  # module names LoRA can target
+    embeddings: list[str] = field(default_factory=list)  # input embeddings and output head
 
     def summary(self) -> dict:
         by_rule: dict[str, int] = {}
         for users in self.users.values():
             key = type(users[0].rule).__name__
             by_rule[key] = by_rule.get(key, 0) + 1
-        return {"rules": by_rule, "fallback": sorted(self.fallback), "module_types": self.module_types}
+        return {"rules": by_rule, "fallback": sorted(self.fallback), "module_types": self.module_types,
+                "linear_like": self.linear_like, "embeddings": self.embeddings}
 
 
 def plan_coverage(model: nn.Module) -> Coverage:
@@ -85,10 +104,15 @@ def plan_coverage(model: nn.Module) -> Coverage:
     names = {id(p): n for n, p in model.named_parameters()}  # first name wins (tied once)
     holders: dict[str, list[tuple[nn.Module, str]]] = {}
     cov = Coverage()
+    heads = {id(m) for m in rules.embeddings_and_heads(model)}
     for module_name, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
             holders.setdefault(names[id(p)], []).append((module, local))
             cov.module_types.setdefault(module_name, type(module).__name__)
+        if rules.is_linear_like(module):
+            cov.linear_like.append(module_name)
+        if id(module) in heads:
+            cov.embeddings.append(module_name)
     for name, p in model.named_parameters():
         cov.params[name] = p
         users = []
@@ -100,10 +124,10 @@ def plan_coverage(model: nn.Module) -> Coverage:
             users.append(_User(module, rule, local))
         if users:
             cov.users[name] = users
-            cov.shapes[name] = users[0].rule.fisher_shape(users[0].module, users[0].local, p)
+            cov.shapes[name] = rules.fisher_shape(users[0].module, users[0].local, p)  # packed: logical
         else:
             cov.fallback[name] = p
-            cov.shapes[name] = tuple(p.shape)
+            cov.shapes[name] = tuple(p.shape)  # autograd's gradient has the stored shape
     missing = set(names.values()) - set(cov.shapes)
     if missing:  # cannot happen unless named_parameters is inconsistent; never skip silently
         raise FisherSelectError(f"parameters not covered by any rule or the fallback: {sorted(missing)[:5]}")
@@ -111,57 +135,110 @@ def plan_coverage(model: nn.Module) -> Coverage:
 
 
 class _Sums:
-    """fp32 accumulators and the bookkeeping for parameters with several contributions."""
+    """The accumulators asked for, and how per-sample pieces reach them.
 
-    def __init__(self, cov: Coverage, signal: torch.Tensor | None, into: ScoreSums | None, squares: bool = True):
-        # a: (O, B) -- one row per objective; a 1-D signal is one objective. Dense pieces use it
-        # as Python floats (no device sync per piece), sparse ones as a tensor on their device.
-        self.a = signal.detach().float().reshape(-1, signal.shape[-1]) if signal is not None else None
-        self.a_list = self.a.tolist() if self.a is not None else None
-        self._a_on: dict = {}
+    A dense piece holds every sample's gradient of a range of rows (``rules.base.blocks``); it
+    is reduced over its samples while still in cache and added once, so each accumulator is
+    read and written once per batch, not once per sample.
+    """
+
+    def __init__(self, cov: Coverage, signal: torch.Tensor | None, into: ScoreSums | None, squares: bool = True,
+                 dtype: torch.dtype = torch.float32, *, totals: bool = True, device=None, batch: int = 0):
+        self.cov, self.dtype, self.batch = cov, dtype, batch
+        # a: (O, B) -- one row per objective; a 1-D signal is one objective.
+        self.a = signal.detach().to(dtype).reshape(-1, signal.shape[-1]) if signal is not None else None
+        self._weights_on: dict = {}
+        # Accumulators placed elsewhere (accumulate_on=): reduce where the piece is, copy, add.
+        self.copy = device is not None
         if into is not None:
             self.squares, self.total, self.signal = into.squares, into.total, into.signal
             if signal is not None and signal.dim() == 1:  # the caller's dicts have no O axis
                 self.signal = {n: v.unsqueeze(0) for n, v in into.signal.items()}
             return
-        fresh = ScoreSums.zeros(cov, None if self.a is None else len(self.a), squares)
+        fresh = ScoreSums.zeros(cov, None if self.a is None else len(self.a), squares, dtype, totals=totals,
+                                device=device)
         self.squares, self.total, self.signal = fresh.squares, fresh.total, fresh.signal
-        self.shared: dict[str, _Shared] = {}
+
+    def compute_device(self, name: str) -> torch.device:
+        return self.cov.params[name].device
+
+    def _weights(self, device, dtype) -> torch.Tensor:
+        """(K, B): a row of ones for the score sums (if kept), then the O signal rows."""
+        key = (device, dtype)
+        if key not in self._weights_on:
+            rows = [] if self.total is None else [torch.ones(1, self.batch, dtype=dtype, device=device)]
+            rows += [] if self.a is None else [self.a.to(device=device, dtype=dtype)]
+            self._weights_on[key] = torch.cat(rows) if rows else None
+        return self._weights_on[key]
+
+    def _linear_targets(self, name: str, rows: slice | None) -> list[torch.Tensor]:
+        """Flat (k, P) views of the accumulators that are linear in h: total, then signals."""
+        out = []
+        if self.total is not None:
+            t = self.total[name] if rows is None else self.total[name][rows]
+            out.append(t.view(1, -1))
+        if self.a is not None:
+            sig = self.signal[name] if rows is None else self.signal[name][:, rows]
+            out.append(sig.view(sig.shape[0], -1))
+        return out
+
+    def _add(self, acc: torch.Tensor, value: torch.Tensor) -> None:
+        acc.add_(value.to(acc.device) if self.copy or acc.device != value.device else value)
 
     def add_dense(self, name: str, start: int, g: torch.Tensor, rows: slice | None = None) -> None:
         """g: (b, *shape) per-sample gradients of samples start..start+b (only ``rows``, if given).
 
-        One fused pass per sample (add, axpy, addcmul) while the piece is still in cache.
+        Reduced over its b samples in cache: sum_n g_n and sum_n a_n g_n are one small GEMM
+        (K, b) @ (b, P) with K = 1 + O; sum_n g_n**2 is one more pass. Then one add each.
         """
-        sq = self.squares[name] if self.squares is not None else None
-        tot = self.total[name]
-        sig = self.signal[name] if self.a is not None else None
-        if rows is not None:
-            tot = tot[rows]
-            sq = sq[rows] if sq is not None else None
-            sig = sig[:, rows] if sig is not None else None
-        for i in range(g.shape[0]):
-            gi = g[i]
-            tot.add_(gi)
-            if sq is not None:
-                sq.addcmul_(gi, gi)
-            if sig is not None:
-                for o in range(sig.shape[0]):
-                    sig[o].add_(gi, alpha=self.a_list[o][start + i])
-
-    def a_at(self, device) -> torch.Tensor:
-        """The (O, B) signal on ``device`` (copied once per device)."""
-        if device not in self._a_on:
-            self._a_on[device] = self.a.to(device)
-        return self._a_on[device]
-
-    def add_sparse(self, name: str, sample, row, value) -> None:
-        """value: (M, d) gradients of sample[m] at row[m], (sample, row) pairs unique."""
-        self.total[name].index_add_(0, row, value)
-        if self.a is not None:
-            self.signal[name].index_add_(1, row, self.a_at(sample.device)[:, sample, None] * value)  # (O, M, d)
+        flat = g.reshape(g.shape[0], -1)  # (b, P)
+        weights = self._weights(g.device, g.dtype)
+        if weights is not None:
+            reduced = torch.mm(weights[:, start : start + g.shape[0]], flat)  # (K, P)
+            k = 0
+            for target in self._linear_targets(name, rows):
+                self._add(target, reduced[k : k + target.shape[0]])
+                k += target.shape[0]
         if self.squares is not None:
-            self.squares[name].index_add_(0, row, value.square())
+            sq = self.squares[name] if rows is None else self.squares[name][rows]
+            self._add(sq.view(-1), _sum_of_squares(flat))
+
+    def single_weights(self, device) -> torch.Tensor | None:
+        """(B,): the one weighted sum a squares-free pass keeps (score sums, or one signal), else None."""
+        if self.squares is not None:
+            return None
+        weights = self._weights(device, self.dtype)
+        return weights[0] if weights is not None and weights.shape[0] == 1 else None
+
+    def add_summed(self, name: str, value: torch.Tensor) -> None:
+        """value: (*shape) = sum_n w_n h_n, straight from a rule's GEMM."""
+        (target,) = self._linear_targets(name, None)  # (1, P)
+        self._add(target, value.reshape(target.shape))
+
+    def add_sparse(self, name: str, sample, row, value, squared: torch.Tensor | None = None) -> None:
+        """value: (M, d) gradients of sample[m] at row[m], (sample, row) pairs unique.
+
+        ``squared`` replaces ``value**2`` in the squares (the tied-embedding correction).
+        """
+        if self.total is not None:
+            self._index_add(self.total[name], 0, row, value)
+        if self.a is not None:
+            a = self.a.to(device=sample.device, dtype=value.dtype)[:, sample, None]  # (O, M, 1)
+            self._index_add(self.signal[name], 1, row, a * value)  # (O, M, d)
+        if self.squares is not None:
+            self._index_add(self.squares[name], 0, row, value.square() if squared is None else squared)
+
+    def _index_add(self, acc: torch.Tensor, dim: int, row: torch.Tensor, value: torch.Tensor) -> None:
+        if acc.device != value.device:
+            row, value = row.to(acc.device), value.to(acc.device)
+        acc.index_add_(dim, row, value)
+
+
+def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
+    """(b, P) -> (P,): sum over samples of squares, in one pass over the in-cache piece."""
+    if flat.shape[0] == 1:
+        return flat[0].square()
+    return torch.linalg.vecdot(flat.T, flat.T)
 
 
 class _Shared:
@@ -170,21 +247,29 @@ class _Shared:
     Tied embedding / output head (the common case): the dense head part is added at once and
     also kept only at the (sample, row) pairs the embedding part touches; at the end the square
     is corrected there: ``(D + E)^2 - D^2``. Any other sharing keeps the full per-sample sum.
+    Without squares every sum is linear in h, so the parts go straight to the accumulators.
     """
 
     def __init__(self, name: str, sums: _Sums, shape, batch: int, support):
         self.name, self.sums = name, sums
+        self.direct = sums.squares is None
         self.support = support  # (sample, row) pairs of all sparse parts, or None (dense mode)
+        if self.direct:
+            return
+        device = sums.compute_device(name)
         if support is not None:
             sample, row = support
-            self.dense_at = torch.zeros(sample.numel(), *shape[1:], device=sample.device)
+            self.dense_at = torch.zeros(sample.numel(), *shape[1:], dtype=sums.dtype, device=sample.device)
             self.sparse_at = torch.zeros_like(self.dense_at)
             self.keys = sample * shape[0] + row  # sorted, unique
             self.rows = shape[0]
         else:
-            self.full = torch.zeros(batch, *shape, device=sums.total[name].device)
+            self.full = torch.zeros(batch, *shape, dtype=sums.dtype, device=device)  # (B, *shape)
 
     def add_dense(self, start: int, g: torch.Tensor, rows: slice | None = None) -> None:
+        if self.direct:
+            self.sums.add_dense(self.name, start, g, rows)
+            return
         r0, r1 = (rows.start, rows.stop) if rows is not None else (0, g.shape[1])
         if self.support is None:
             self.full[start : start + g.shape[0], r0:r1].add_(g)
@@ -194,25 +279,39 @@ class _Shared:
         sel = (sample >= start) & (sample < start + g.shape[0]) & (row >= r0) & (row < r1)
         self.dense_at[sel] += g[sample[sel] - start, row[sel] - r0]
 
-    def add_sparse(self, sample, row, value) -> None:
-        if self.support is None:
-            self.full.index_put_((sample, row), value, accumulate=True)
-            return
-        where = torch.searchsorted(self.keys, sample * self.rows + row)
-        self.sparse_at.index_add_(0, where, value)
+    def add_summed(self, value: torch.Tensor) -> None:
+        self.sums.add_summed(self.name, value)  # only without squares, where parts add linearly
 
-    def finish(self) -> None:
+    def add_sparse(self, sample, row, value) -> None:
+        if self.direct:
+            self.sums.add_sparse(self.name, sample, row, value)
+        elif self.support is None:
+            self.full.index_put_((sample, row), value, accumulate=True)
+        else:
+            where = torch.searchsorted(self.keys, sample * self.rows + row)
+            self.sparse_at.index_add_(0, where, value)
+
+    def finish(self, block: int) -> None:
+        if self.direct:
+            return
         if self.support is None:
-            self.sums.add_dense(self.name, 0, self.full)
+            self._reduce_full(block)
             return
         sample, row = self.support
         d, e = self.dense_at, self.sparse_at
-        s = self.sums
-        s.total[self.name].index_add_(0, row, e)
-        if s.a is not None:
-            s.signal[self.name].index_add_(1, row, s.a_at(sample.device)[:, sample, None] * e)
-        if s.squares is not None:
-            s.squares[self.name].index_add_(0, row, (d + e).square() - d.square())
+        self.sums.add_sparse(self.name, sample, row, e, squared=(d + e).square() - d.square())
+
+    def _reduce_full(self, block: int) -> None:
+        """Reduce the (B, *shape) per-sample sums a few rows at a time (each piece in cache)."""
+        full = self.full
+        if full.dim() == 1:  # a scalar parameter
+            self.sums.add_dense(self.name, 0, full)
+            return
+        rows = full.shape[1]
+        step = max(1, block // max(1, full[:, :1].numel()))
+        for r in range(0, rows, step):
+            part = slice(r, min(rows, r + step))
+            self.sums.add_dense(self.name, 0, full[:, part], None if step >= rows else part)
 
 
 @contextmanager
@@ -244,8 +343,9 @@ class _ModuleInfo:
 class _Pass:
     """Hooks for one scoring pass; all state lives here, none on modules or parameters."""
 
-    def __init__(self, cov: Coverage, sums: _Sums, block: int):
+    def __init__(self, cov: Coverage, sums: _Sums, block: int, dtype: torch.dtype = torch.float32):
         self.cov, self.sums, self.block = cov, sums, block
+        self.dtype = dtype  # the rules hand over per-sample gradients in the accumulation dtype
         self.active = True
         self.anchors: dict[tuple, torch.Tensor] = {}
         self.roots: list[torch.Tensor] = []  # module outputs that start the graph themselves
@@ -307,12 +407,20 @@ class _Pass:
     def _on_grad(self, module, info: _ModuleInfo, captured, grad_output) -> None:
         if not self.active:  # the fallback's per-sample backwards run through the same graph
             return
-        for c in info.rule.contributions(module, captured, grad_output, self.block):
+        items = None
+        weights = self.sums.single_weights(grad_output.device)
+        if weights is not None:  # no squares, one weighted sum: a rule may have it as one GEMM
+            items = info.rule.weighted_sum(module, captured, grad_output, weights, self.dtype)
+        if items is None:
+            items = info.rule.contributions(module, captured, grad_output, self.block, self.dtype)
+        for c in items:
             full = info.full.get(c.param)
             if full is None:  # this parameter is the fallback's
                 continue
             target = self.shared.get(full)
-            if isinstance(c, rules.RowSparse):
+            if isinstance(c, Summed):
+                (target or _Direct(self.sums, full)).add_summed(c.value)
+            elif isinstance(c, rules.RowSparse):
                 (target or _Direct(self.sums, full)).add_sparse(c.sample, c.row, c.value)
             else:
                 (target or _Direct(self.sums, full)).add_dense(c.start, c.value, c.rows)
@@ -328,6 +436,9 @@ class _Direct:
 
     def add_sparse(self, sample, row, value):
         self.sums.add_sparse(self.name, sample, row, value)
+
+    def add_summed(self, value):
+        self.sums.add_summed(self.name, value)
 
 
 def _joint_support(supports, rows: int):
@@ -348,6 +459,10 @@ def score_sums(
     coverage: Coverage | None = None,
     into: ScoreSums | None = None,
     squares: bool = True,
+    totals: bool = True,
+    params: "set[str] | None" = None,
+    accumulate_on: torch.device | str | None = None,
+    accumulate_dtype: torch.dtype = torch.float32,
 ) -> ScoreSums:
     """Exact sums over the batch of per-sample scores, their squares and signal-weighted scores.
 
@@ -360,16 +475,26 @@ def score_sums(
     The model's mode (eval/train) is left as it is; calibrate() uses eval mode. ``into``: add
     to these running sums instead of allocating new ones (same signal layout). ``squares=False``
     skips the squared scores (a gradient-only pass); ``.squares`` is then None.
+
+    Memory modes (each accumulator is parameter-sized; see README "Bigger models"):
+    ``totals=False`` keeps no score sums (``.total`` is None; F alone is ``squares=True,
+    totals=False, signal=None``: 4 bytes per parameter in fp32). ``params``: names (as
+    ``named_parameters()`` yields them) to accumulate for; other parameters get no
+    accumulators, and layers holding none of them are not hooked (their per-sample gradients are
+    never built). ``accumulate_on``: a device for the accumulators (``"cpu"``: host memory,
+    pinned when CUDA is present); pieces are reduced on the parameter's device, then copied.
+    ``accumulate_dtype``: the dtype of the per-sample gradients and the sums (float64 for
+    exactness checks against ``engine.reference`` on a float64 model).
     """
     batch = input_ids.shape[0]
     if response_mask[:, 0].any():
         raise FisherSelectError("response_mask[:, 0] must be False: the first token has no log-probability")
     if signal is not None and (signal.dim() not in (1, 2) or signal.shape[-1] != batch):
         raise FisherSelectError(f"signal must have shape ({batch},) or (objectives, {batch}), got {tuple(signal.shape)}")
-    cov = coverage or plan_coverage(model)
-    check_layout(model)
-    sums = _Sums(cov, signal, into, squares)
-    run = _Pass(cov, sums, block)
+    cov = _restricted(coverage or plan_coverage(model), params)
+    rules.check_model(model)
+    sums = _Sums(cov, signal, into, squares, accumulate_dtype, totals=totals, device=accumulate_on, batch=batch)
+    run = _Pass(cov, sums, block, accumulate_dtype)
     with _frozen_for_pass(cov), run.hooks():
         logp = response_logprobs(model, input_ids, attention_mask, response_mask, token_weights)  # (B,)
         run.prepare_shared(batch)
@@ -380,11 +505,11 @@ def score_sums(
             raise FisherSelectError("nothing in the model takes part in the log-probability graph")
         torch.autograd.grad(logp.sum(), inputs, retain_graph=bool(fallback), allow_unused=True)
         for shared in run.shared.values():
-            shared.finish()
+            shared.finish(block)
         run.active = False
         _fallback_loop(logp, fallback, sums)
     weighted = sums.signal
-    if weighted is not None and signal.dim() == 1:
+    if weighted is not None and signal is not None and signal.dim() == 1:
         weighted = {n: v[0] for n, v in weighted.items()}
     if into is not None:
         into.count += batch
@@ -400,8 +525,21 @@ def _fallback_loop(logp: torch.Tensor, fallback: list, sums: _Sums) -> None:
     for n in range(logp.shape[0]):
         grads = torch.autograd.grad(logp[n], params, retain_graph=n < logp.shape[0] - 1, allow_unused=True)
         for (name, p), g in zip(fallback, grads):
-            g = torch.zeros_like(p, dtype=torch.float32) if g is None else g.float()
+            g = torch.zeros_like(p, dtype=sums.dtype) if g is None else g.to(sums.dtype)
             sums.add_dense(name, n, g.unsqueeze(0))
+
+
+def _restricted(cov: Coverage, params: "set[str] | None") -> Coverage:
+    """The coverage of the chosen parameters only; the others stay frozen (``cov.params``)."""
+    if params is None:
+        return cov
+    unknown = set(params) - set(cov.shapes)
+    if unknown:
+        raise FisherSelectError(f"params names no parameter of the model: {sorted(unknown)[:5]} "
+                                "(use the names model.named_parameters() yields)")
+    return replace(cov, users={n: u for n, u in cov.users.items() if n in params},
+                   fallback={n: p for n, p in cov.fallback.items() if n in params},
+                   shapes={n: s for n, s in cov.shapes.items() if n in params})
 
 
 def _check_checkpointing(model: nn.Module, run: _Pass) -> None:

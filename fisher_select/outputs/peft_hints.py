@@ -31,15 +31,22 @@ from pathlib import Path
 import peft  # the PEFT library (absolute import: this module is fisher_select.outputs.peft_hints)
 import torch
 
+from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
-from fisher_select.rundir import Run, load_run
-from fisher_select.outputs.selection import CAVEAT, replace_file_atomically, top_k_mask
+from fisher_select.rundir import ModuleEntry, Run, load_run
+from fisher_select.atomic import write_file
+from fisher_select.outputs.hint_settings import LoraHintSettings
+from fisher_select.outputs.selection import CAVEAT, top_k_mask
 
-LINEAR_TYPES = ("Linear", "Linear8bitLt", "Linear4bit", "Conv1D")
-DEFAULT_COVERAGE = 0.9
-DEFAULT_MEAN_RANK = 8
-# Input embeddings / output heads by name, for runs whose report does not record module types.
+# ``module_types=None``: every module the layer rules call Linear-like (``rules.is_linear_like``:
+# nn.Linear and subclasses, bitsandbytes' 4/8-bit layers, Conv1D); a tuple of class names narrows
+# that further (SHiRA: ``("Linear",)``).
+LINEAR_TYPES = None
+DEFAULT_COVERAGE = LoraHintSettings.coverage
+DEFAULT_MEAN_RANK = LoraHintSettings.mean_rank
+# Input embeddings / output heads by name, only for reports that record neither the rules' roles
+# (``coverage["embeddings"]``, written by calibrate) nor come with the model.
 _EMBEDDING_NAME = re.compile(r"(^|\.)(lm_head|embed_out|wte|wpe|[^.]*embed[^.]*)$")
 # PEFT's own layer-index pattern (check_target_module_exists, layers_pattern=None).
 _LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
@@ -63,44 +70,51 @@ def _eligible(run: Run, *, module_types, model, layers, modules) -> list[_Module
         check_fingerprint(run.fingerprint, model, f"run {run.run_id}")
     heads = _head_ids(model)
     found = []
-    for entry in run.report["modules"]:
-        weight = run.fisher.get(f"{entry['name']}.weight")
+    for entry in run.report.modules:
+        weight = run.fisher.get(f"{entry.name}.weight")
         if weight is None or weight.dim() != 2:
             continue
-        kind, is_head = _describe(entry, model, heads)
-        if is_head or (kind is not None and kind not in module_types):
+        kind, linear, is_head = _describe(entry, run, model, heads)
+        if is_head or not linear or (module_types is not None and kind not in module_types):
             continue
-        if layers is not None and _layer_index(entry["name"]) not in layers:
+        if layers is not None and _layer_index(entry.name) not in layers:
             continue
-        found.append(_Module(entry["name"], float(entry["fisher_mass"]), tuple(weight.shape), kind))
+        found.append(_Module(entry.name, float(entry.fisher_mass), tuple(weight.shape), kind))
     found = _restrict(found, modules, run)
     if not found:
         raise FisherSelectError(
-            f"run {run.run_id} has no eligible Linear-like module (types {list(module_types)}, "
+            f"run {run.run_id} has no eligible Linear-like module (types {list(module_types or ['any'])}, "
             f"layers {layers}); widen --layers / --modules"
         )
     return found
 
 
 def _head_ids(model) -> set[int]:
-    if model is None:
-        return set()
-    heads = (model.get_input_embeddings(), model.get_output_embeddings())
-    return {id(m) for m in heads if m is not None}
+    """Identities of the model's input embeddings and output head (never LoRA targets)."""
+    return set() if model is None else {id(m) for m in rules.embeddings_and_heads(model)}
 
 
-def _describe(entry: dict, model, heads: set[int]) -> tuple[str | None, bool]:
-    """(class name or None, is an embedding/head) from the model, the report, or the name."""
-    name = entry["name"]
-    if model is None:
-        return entry.get("type"), bool(_EMBEDDING_NAME.search(name))
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        raise FisherSelectError(
-            f"run lists module {name}, which the model does not have; load the model of the run"
-        ) from None
-    return type(module).__name__, id(module) in heads
+def _describe(entry: ModuleEntry, run: Run, model, heads: set[int]) -> tuple[str | None, bool, bool]:
+    """(class name or None, Linear-like, input embedding / output head) of one report entry.
+
+    Asked of the layer rules: on the model's own module when the model is given, else as the
+    rules recorded them at calibration (``coverage``). Reports recording neither (hand-made or
+    migrated ones) fall back to the recorded class name and the module name.
+    """
+    name = entry.name
+    if model is not None:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise FisherSelectError(
+                f"run lists module {name}, which the model does not have; load the model of the run"
+            ) from None
+        return type(module).__name__, rules.is_linear_like(module), id(module) in heads
+    recorded = run.report.coverage
+    if "linear_like" in recorded and "embeddings" in recorded:
+        return entry.type, name in recorded["linear_like"], name in recorded["embeddings"]
+    linear = entry.type is None or entry.type in rules.linear_like_names()
+    return entry.type, linear, bool(_EMBEDDING_NAME.search(name))
 
 
 def _layer_index(name: str) -> int | None:
@@ -155,7 +169,7 @@ def _choose(found: list[_Module], coverage, top_n) -> tuple[list[_Module], float
 
 def _check_unambiguous(targets: list[_Module], run: Run, model) -> None:
     """No other module name may end in ``.<target>`` (PEFT would match it too)."""
-    names = {e["name"] for e in run.report["modules"]}
+    names = {e.name for e in run.report.modules}
     if model is not None:
         names.update(name for name, _ in model.named_modules())
     for t in targets:
@@ -236,13 +250,14 @@ def lora_hints(
     coverage: float | None = None,
     top_n: int | None = None,
     total_rank: int | None = None,
-    rank_step: int = 4,
+    mean_rank: int = LoraHintSettings.mean_rank,
+    rank_step: int = LoraHintSettings.rank_step,
     min_rank: int | None = None,
     max_rank: int | None = None,
-    alpha_ratio: float = 2.0,
+    alpha_ratio: float = LoraHintSettings.alpha_ratio,
     layers_to_transform: list[int] | None = None,
     modules: list[str] | None = None,
-    module_types: tuple[str, ...] = LINEAR_TYPES,
+    module_types: tuple[str, ...] | None = LINEAR_TYPES,
     task_type: str | None = "CAUSAL_LM",
     model=None,
 ) -> dict:
@@ -266,7 +281,7 @@ def lora_hints(
         coverage = DEFAULT_COVERAGE
     targets, covered = _choose(found, coverage, top_n)
     _check_unambiguous(targets, run, model)
-    requested = DEFAULT_MEAN_RANK * len(targets) if total_rank is None else int(total_rank)
+    requested = mean_rank * len(targets) if total_rank is None else int(total_rank)
     ranks = _allocate_ranks(targets, requested, step, min_rank, max_rank)
     alphas = [_alpha(alpha_ratio, r) for r in ranks]
     # Every target is in rank_pattern; r (the most common rank) only serves PEFT's bookkeeping.
@@ -284,7 +299,7 @@ def lora_hints(
         "layers_to_transform": layers,
         "fan_in_fan_out": any(t.kind == "Conv1D" for t in targets),  # GPT-2 style weights
         "fisher_select": {
-            **_provenance(run),
+            **run.provenance(CAVEAT),
             "selection": selection,
             "total_rank": sum(ranks),
             "requested_total_rank": requested,
@@ -320,15 +335,6 @@ def _alpha(ratio: float, r: int):
     return int(alpha) if float(alpha).is_integer() else alpha
 
 
-def _provenance(run: Run) -> dict:
-    return {
-        "run_id": run.run_id,
-        "model": {"name": run.report["model"].get("name"), "fingerprint": run.fingerprint},
-        "caveat": CAVEAT,
-        "run_caveats": list(run.report.get("caveats", [])),
-    }
-
-
 def _lora_fields(hints: dict) -> dict:
     return {k: hints[k] for k in ("task_type", "target_modules", "r", "lora_alpha", "rank_pattern",
                                   "alpha_pattern", "layers_to_transform", "fan_in_fan_out")}
@@ -353,13 +359,8 @@ def lora_config_dict(hints: dict) -> dict:
 
 def save_lora_config(hints: dict, path: "str | os.PathLike", *, overwrite: bool = False) -> Path:
     """Write ``lora_config_dict(hints)`` as JSON, atomically."""
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise FisherSelectError(f"{path} already exists; pass --overwrite or choose another --out")
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(lora_config_dict(hints), indent=2) + "\n"
-    replace_file_atomically(path, lambda tmp: tmp.write_text(text))
-    return path
+    return write_file(Path(path), lambda tmp: tmp.write_text(text), overwrite=overwrite)
 
 
 def load_lora_config(path: "str | os.PathLike", model) -> "peft.LoraConfig":
@@ -450,7 +451,7 @@ def shira_config(
         warnings.filterwarnings("ignore", message=r".*mask_type.*not recognized")
         config = peft.ShiraConfig(r=r, mask_type="fisher", target_modules=[t.name for t in targets],
                                   task_type=task_type)
-    config.mask_fn = FisherShiraMask(masks, names, r, _provenance(run))
+    config.mask_fn = FisherShiraMask(masks, names, r, run.provenance(CAVEAT))
     return config
 
 

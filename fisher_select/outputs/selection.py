@@ -40,9 +40,10 @@ from safetensors import safe_open
 
 from fisher_select.errors import FisherSelectError
 from fisher_select.caveats import MASK_CAVEAT as CAVEAT
+from fisher_select.atomic import refuse_existing, write_file
 from fisher_select.rundir import Run, load_run, save_tensors
 
-MASK_FORMAT = "fisher_select.outputs.masking/1"
+MASK_FORMAT = "fisher_select.masks/1"  # the mask file format, not a module path
 META_KEY = "fisher_select"
 # The project's one-line caveat (report.py), plus how to make a mask more than advisory.
 STRUCTURES = ("rows", "columns")
@@ -104,11 +105,27 @@ def select_masks(
             f"--threshold needs the objective's signal scale S, which run {run.run_id} does not "
             "know; use --top or --mass (they only need the ranking), or calibrate with a known S"
         )
+    warnings = _degenerate_scale(run, rule, scale, objective)
     units = _unit_values(run, rule, structured, scale, objective)
     chosen = _choose_units(units, rule, value, per_module)
     masks = {name: _expand(chosen[name], run.fisher[name], structured) for name in units}
     meta = _meta(run, masks, rule, value, per_module, structured, objective, scale)
+    meta["warnings"] = warnings
     return MaskSet(masks=masks, meta=meta)
+
+
+def _degenerate_scale(run, rule: str, scale: float | None, objective: str | None) -> list[str]:
+    """S = 0: every bound is 0. A threshold would select nothing; a ranking falls back to F alone."""
+    if scale != 0.0:
+        return []
+    name = run.objective(objective).name
+    why = (f"objective {name!r} of run {run.run_id} has signal scale S = 0: no sampled response carried "
+           "signal (e.g. every reward of a prompt was equal), so every bound sqrt(F S) is 0")
+    if rule == "threshold":
+        raise FisherSelectError(f"{why} and --threshold would select nothing; calibrate with prompts whose "
+                                "rewards vary (or more samples per prompt), or use --top / --mass, which rank by F")
+    return [f"{why}; --{rule} ranks by F alone, which says where the model's score is large, not where this "
+            "objective pushes: calibrate with prompts whose rewards vary for a meaningful selection"]
 
 
 def _check_rule(top, mass, threshold) -> tuple[str, float]:
@@ -328,22 +345,19 @@ def _meta(run, masks, rule, value, per_module, structured, objective, scale) -> 
     numel = sum(c[1] for c in counts.values())
     return {
         "format": MASK_FORMAT,
-        "run_id": run.run_id,
-        "model": {"name": run.report["model"].get("name"), "fingerprint": run.fingerprint},
+        **run.provenance(CAVEAT),
         "rule": {
             "name": rule,
             "value": value,
             "per_module": per_module,
             "structured": structured,
-            "objective": objective or run.objectives[0]["name"],
+            "objective": objective or run.objectives[0].name,
             "signal_scale": scale,
         },
         "selected": selected,
         "numel": numel,
         "density": selected / numel if numel else 0.0,
         "modules": _module_counts(run, counts),
-        "caveat": CAVEAT,
-        "run_caveats": list(run.report.get("caveats", [])),
     }
 
 
@@ -353,12 +367,10 @@ def _module_counts(run, counts: dict[str, tuple[int, int]]) -> list[dict]:
     A parameter the report does not list under a module counts under its dotted prefix.
     """
     owner = {}
-    for entry in run.report.get("modules", []):
-        for param in entry.get("parameters", []):
-            owner.setdefault(param, entry["name"])
-    totals: dict[str, list[int]] = {}
-    for entry in run.report.get("modules", []):
-        totals.setdefault(entry["name"], [0, 0])
+    for entry in run.report.modules:
+        for param in entry.parameters:
+            owner.setdefault(param, entry.name)
+    totals: dict[str, list[int]] = {entry.name: [0, 0] for entry in run.report.modules}
     for name in sorted(counts):
         module = owner.get(name, name.rpartition(".")[0])
         total = totals.setdefault(module, [0, 0])
@@ -389,31 +401,12 @@ def save_masks(maskset: MaskSet, path: "str | os.PathLike", *, overwrite: bool =
     that belongs to another mask file.
     """
     path, sidecar = Path(path), sidecar_path(path)
-    if not overwrite and (path.exists() or sidecar.exists()):
-        raise FisherSelectError(
-            f"{path} (or its sidecar {sidecar.name}) already exists; pass --overwrite or choose another --out"
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    refuse_existing([path, sidecar], overwrite)
     text = json.dumps(maskset.meta, indent=2) + "\n"
     embedded = {META_KEY: json.dumps(maskset.meta)}
-    replace_file_atomically(path, lambda tmp: save_tensors(tmp, maskset.masks, embedded))
-    replace_file_atomically(sidecar, lambda tmp: tmp.write_text(text))
+    write_file(path, lambda tmp: save_tensors(tmp, maskset.masks, embedded), overwrite=True)
+    write_file(sidecar, lambda tmp: tmp.write_text(text), overwrite=True)
     return path
-
-
-def replace_file_atomically(target: Path, writer) -> None:
-    """Call ``writer(tmp)`` on a temporary file next to ``target``, then rename it onto ``target``.
-
-    The writer creates the file itself, so it gets the usual umask permissions (mkstemp's 0600
-    would survive the rename).
-    """
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        writer(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def load_masks(path: "str | os.PathLike") -> tuple[dict[str, torch.Tensor], dict]:

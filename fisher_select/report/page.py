@@ -1,85 +1,146 @@
-"""A self-contained HTML report (inline SVG plots, no JavaScript, no network)."""
+"""report.html: one self-contained page (inline CSS, matplotlib PNGs as data URIs, no script, no network).
+
+The page is made from the report alone (``RunReport`` with its statistics), so ``fisher-select
+report RUN`` draws it again from report.json; ``samples`` (samples.jsonl records) add a few
+example responses.
+"""
 
 from __future__ import annotations
 
 import html
-import math
-import re
+import json
 from pathlib import Path
 
-import torch
+from fisher_select.report import plots
+from fisher_select.report.statistics import ReportStatistics
+from fisher_select.report.text import (MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
+                                       ranked_modules, uncertainty_of)
+from fisher_select.rundir import RunReport
 
-from fisher_select.caveats import CAVEATS
+TOP_MODULES = 30
+EXAMPLE_SAMPLES = 6
 
-_STYLE = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222}
-table{border-collapse:collapse;font-size:13px}td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}
-.caveat{background:#fff4e5;border-left:4px solid #f0a020;padding:.5em 1em}"""
-
-
-def _bars(labels: list[str], values: list[float], title: str, width: int = 900) -> str:
-    """A horizontal bar chart as inline SVG."""
-    top = max(values) if values and max(values) > 0 else 1.0
-    row, left = 16, 330
-    parts = [f'<svg width="{width}" height="{row * len(values) + 30}" role="img"><title>{html.escape(title)}</title>',
-             f'<text x="0" y="12" font-size="13" font-weight="bold">{html.escape(title)}</text>']
-    for i, (label, v) in enumerate(zip(labels, values)):
-        y = 20 + i * row
-        w = (width - left - 80) * v / top
-        parts.append(f'<text x="{left - 6}" y="{y + 11}" font-size="11" text-anchor="end">{html.escape(label)}</text>'
-                     f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{row - 3}" fill="#4a7bd0"/>'
-                     f'<text x="{left + w + 4:.1f}" y="{y + 11}" font-size="11">{v:.3g}</text>')
-    return "".join(parts) + "</svg>"
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222;padding:0 1em}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{padding:2px 8px;border-bottom:1px solid #ddd;
+text-align:left;vertical-align:top}th{background:#f4f4f4}.num{text-align:right;font-variant-numeric:tabular-nums}
+.caveat{background:#fff4e5;border-left:4px solid #f0a020;padding:.5em 1em;margin:1em 0}
+.warn{background:#fdecea;border-left:4px solid #d93025;padding:.5em 1em;margin:1em 0}
+figure{margin:1.5em 0}figcaption{font-size:13px;color:#555}img{max-width:100%}
+pre{background:#f7f7f7;padding:.5em;overflow:auto;font-size:12px}"""
 
 
-def _log_histogram(fisher: dict[str, torch.Tensor], bins: int = 40) -> tuple[list[str], list[float]]:
-    """Histogram of log10 F over all coordinates with F > 0 (and the count of exact zeros)."""
-    logs, zeros = [], 0
-    for f in fisher.values():
-        flat = f.reshape(-1).double()
-        zeros += int((flat <= 0).sum())
-        logs.append(flat[flat > 0].log10())
-    values = torch.cat(logs) if logs else torch.zeros(0)
-    if values.numel() == 0:
-        return ["F = 0"], [float(zeros)]
-    lo, hi = math.floor(float(values.min())), math.ceil(float(values.max()))
-    counts = torch.histc(values, bins=bins, min=lo, max=hi if hi > lo else lo + 1)
-    step = (hi - lo) / bins if hi > lo else 1 / bins
-    labels = [f"1e{lo + i * step:.1f}" for i in range(bins)]
-    return ["F = 0"] + labels, [float(zeros)] + counts.tolist()
+def _e(x) -> str:
+    return html.escape(str(x))
 
 
-def _by_kind(modules: list[dict]) -> tuple[list[str], list[float]]:
-    """Fisher mass summed over layers by module kind (q_proj, mlp.up_proj, ...)."""
-    kinds: dict[str, float] = {}
-    for m in modules:
-        kind = re.sub(r"\.\d+\.", ".*.", m["name"])
-        kinds[kind] = kinds.get(kind, 0.0) + m["fisher_mass"]
-    items = sorted(kinds.items(), key=lambda kv: -kv[1])
-    return [k for k, _ in items], [v for _, v in items]
+def _table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_html(path: Path, report: dict, cal) -> None:
-    mods = report["modules"]
-    top = mods[:30]
-    kinds, kind_mass = _by_kind(mods)
-    hist_labels, hist_counts = _log_histogram(cal.fisher)
-    rows = "".join(
-        f"<tr><td>{html.escape(o['name'])}</td><td>{html.escape(o['type'])}</td><td>{html.escape(str(o['signal']))}</td>"
-        f"<td>{o['signal_scale']}</td></tr>" for o in report["objectives"])
-    caveats = "".join(f"<li>{html.escape(c)}</li>" for c in CAVEATS)
-    body = f"""<!doctype html><html><head><meta charset="utf-8"><title>fisher_select run {report['run_id']}</title>
-<style>{_STYLE}</style></head><body>
-<h1>fisher_select run {html.escape(report['run_id'])}</h1>
-<div class="caveat"><b>What these numbers do not promise</b><ul>{caveats}</ul></div>
-<p>Model <b>{html.escape(report['model']['name'])}</b> ({report['model']['fingerprint']['num_parameters']:,} parameters),
-{report['num_prompts']} prompts &times; {report['samples_per_prompt']} samples = {report['num_samples']} responses
-drawn by plain ancestral sampling; truncated at max_new_tokens: {report['truncation_rate']:.1%}.
-Score-mean check (RMS z, about 1 expected): {report['checks'].get('score_mean', {}).get('rms_z', float('nan')):.2f}.</p>
-<h2>Objectives</h2><table><tr><th>name</th><th>type</th><th>signal</th><th>scale S</th></tr>{rows}</table>
-<h2>Fisher mass</h2>
-{_bars([m['name'] for m in top], [m['fisher_mass'] for m in top], 'Top 30 modules by Fisher mass')}
-{_bars(kinds[:25], kind_mass[:25], 'Fisher mass by module kind, summed over layers')}
-{_bars(hist_labels, hist_counts, 'Coordinates by log10 Fisher')}
-</body></html>
-"""
-    path.write_text(body)
+def _list(items: list[str]) -> str:
+    return "<ul>" + "".join(f"<li>{_e(i)}</li>" for i in items) + "</ul>"
+
+
+def write_html(path: Path, report: RunReport, cal=None, samples: list[dict] | None = None) -> None:
+    """Write the page; ``cal`` (a Calibration) supplies example samples when ``samples`` is not given."""
+    samples = samples if samples is not None else list(getattr(cal, "samples", None) or [])
+    Path(path).write_text(page_html(report, samples))
+
+
+def page_html(report: RunReport, samples: list[dict]) -> str:
+    stats = ReportStatistics.from_json(report.statistics)
+    figures = plots.all_plots(report)
+    body = [f"<h1>fisher_select run {_e(report.run_id)}</h1>",
+            f'<div class="caveat"><b>What these numbers do not promise</b>{_list(caveat_block(report))}</div>']
+    if report.warnings:
+        body.append(f'<div class="warn"><b>Warnings about this run</b>{_list(report.warnings)}</div>')
+    body += [_run_section(report), _objectives_section(report, stats), _statistics_section(stats),
+             _modules_section(report), "<h2>Plots</h2>"]
+    body += [f'<figure id="{p.key}"><h3>{_e(p.title)}</h3><img alt="{_e(p.title)}" src="{p.data_uri}">'
+             f"<figcaption>{_e(p.caption)}</figcaption></figure>" for p in figures]
+    body.append(_samples_section(report, samples))
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>fisher_select run '
+            f"{_e(report.run_id)}</title><style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def _run_section(report: RunReport) -> str:
+    auto = report.checks.get("autograd", {})
+    rows = [["model", f"{report.model.name} ({report.model.fingerprint.get('num_parameters', '?')} parameters, "
+                      f"{report.model.architecture or '?'}, dtype {report.model.dtype or '?'}, quantization "
+                      f"{report.model.quantization or 'none'})"],
+            ["recipe", report.recipe or "n/a"],
+            ["prompts x samples", f"{report.num_prompts} x {report.samples_per_prompt} = {report.num_samples}"],
+            ["max_new_tokens, seed", f"{report.max_new_tokens}, {report.seed}"],
+            ["sampling", ", ".join(f"{k} {v}" for k, v in report.sampling.items())],
+            ["truncated at max_new_tokens", f"{report.num_truncated} ({pct(report.truncation_rate)})"],
+            ["autograd check (first batch)", f"max relative error {fmt(auto.get('max_relative_error'))} "
+                                             f"(tolerance {fmt(auto.get('tolerance'))})"]]
+    recipe = json.dumps(report.config, indent=2, default=str) if report.config else "n/a"
+    return (f"<h2>Run</h2>{_table(['', ''], rows)}<details><summary>Resolved recipe</summary>"
+            f"<pre>{_e(recipe)}</pre></details>")
+
+
+def _objectives_section(report: RunReport, stats: ReportStatistics) -> str:
+    rows = []
+    for o in report.objectives:
+        u = uncertainty_of(stats, o.name)
+        rows.append([o.name, o.type, fmt(o.signal_scale), interval(u.bootstrap_interval) if u else "n/a",
+                     interval(u.t_interval) if u else "n/a", fmt(u.stderr) if u else "n/a",
+                     f"{u.prompts_without_signal} of {u.num_prompts}" if u else "n/a", o.signal])
+    out = "<h2>Objectives</h2>" + _table(["objective", "type", "S", "95% CI bootstrap (BCa, prompts)", "95% CI (t)",
+                                          "stderr", "prompts without signal", "signal a"], rows)
+    for s in stats.signals:
+        if s.numbers:
+            out += f"<h3>Signal diagnostics: {_e(s.objective)}</h3>" + _table(
+                ["quantity", "value"], [[label, fmt(v)] for label, v in s.numbers])
+    return out
+
+
+def _statistics_section(stats: ReportStatistics) -> str:
+    out = "<h2>Sampling conformity</h2>"
+    c = stats.conformity
+    if c is not None:
+        rows = [[label, z.coordinates, pct(z.share_above), pct(c.expected_share), fmt(z.ratio), fmt(z.rms_z),
+                 fmt(z.median_abs_z)] for label, z in (("all", c.all), ("robust (no embeddings/head)", c.robust))]
+        out += f"<p>{_e(c.message)}</p>" + _table(["coordinates", "count", "|z| > 3", "expected", "ratio", "RMS z",
+                                                   "median |z|"], rows)
+    else:
+        out += "<p>Not recorded in this report.</p>"
+    out += "<h2>Estimator stability</h2>"
+    s = stats.stability
+    out += (f"<p>{_e(s.message)}</p>" + _table(["top coordinates", "Jaccard between halves"],
+                                               [[pct(f), fmt(j)] for f, j in zip(s.top_fractions, s.jaccard)])
+            if s is not None else "<p>Not measured (stability off, or a half without prompts).</p>")
+    k = stats.concentration
+    if k is not None:
+        out += "<h2>Concentration</h2>" + _table(["top coordinates", "share of F mass"],
+                                                 [[pct(f), pct(m)] for f, m in zip(k.fractions, k.mass_shares)])
+    for b in stats.bound_ratios:
+        out += f"<h3>|g_hat| / bound per module type ({_e(b.objective)})</h3><p>{_e(b.note)}</p>" + _table(
+            ["module type"] + [f"quantile {q:g}" for q in b.quantiles] + ["share > 1"],
+            [[kind] + [fmt(v) for v in vals] + [pct(a)] for kind, vals, a in zip(b.kinds, b.values, b.share_above_1)])
+    return out
+
+
+def _modules_section(report: RunReport) -> str:
+    ranked = ranked_modules(report)[:TOP_MODULES]
+    return (f"<h2>Top {len(ranked)} of {len(report.modules)} modules by sum of sqrt(F)</h2><p>Ranked by the sum of "
+            "sqrt(F), which predicts module movement; the sum of F, dominated by a few huge coordinates, does not. "
+            "Bounds are sqrt(F S) of the primary objective; the relative standard error of the F mass comes from "
+            "the spread over scoring batches.</p>" + _table(list(MODULE_COLUMNS), [module_cells(m) for m in ranked]))
+
+
+def _samples_section(report: RunReport, samples: list[dict]) -> str:
+    if not samples:
+        return ""
+    rows = []
+    for s in samples[:EXAMPLE_SAMPLES]:
+        prompt = s.get("prompt")
+        prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        values = ", ".join(f"{k} {fmt(v)}" for k, v in (s.get("value") or {}).items())
+        rows.append([s.get("prompt_index"), prompt[:300], str(s.get("response", ""))[:300], values,
+                     "yes" if s.get("truncated") else "no"])
+    return (f"<h2>Example samples ({min(len(samples), EXAMPLE_SAMPLES)} of {len(samples)})</h2>"
+            + _table(["prompt", "text", "response", "value", "truncated"], rows))

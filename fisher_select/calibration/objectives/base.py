@@ -1,14 +1,26 @@
 """Objectives: how to get the signal a(x, y) for sampled responses and estimate its scale S.
 
 Every objective sees the same groups of K responses per prompt sampled from the model, so
-the model Fisher is shared and only the signal differs (MATH.md). An objective's ``signals``
-returns, for one group, the per-sample signal used for the gradient estimate
-``g_hat = mean_n a_n h_n`` and a per-group contribution to the scale ``S = E[a^2]``.
+the model Fisher is shared and only the signal differs (MATH.md). An objective instance is
+configuration plus pure methods (reusable across calibrations):
+
+- ``signals(group, ctx) -> GroupSignal``: one group's per-sample signal a_n (the gradient estimate
+  is ``mean_n a_n h_n``), its scale term (this prompt's estimate of ``E[a^2 | x]``) and, for
+  token-level objectives, per-token signals;
+- ``statistics_type``: a ``Statistics`` dataclass the *calibrator* holds, folding group signals in
+  with ``add`` and combining ranks or resumed runs with ``merge``;
+- ``signal_scale(stats)``, ``scale_stderr(stats)``, ``summary(stats)``: results from statistics;
+- optionally ``extra_rows(ctx)`` + ``extra_result(mean_score, fisher)``: rows the calibrator scores
+  with its own scoring path (SFT from demonstrations), and what their mean score gives.
+
+A new objective is one file: a subclass, its Statistics (if it needs more than the scale terms),
+a config dataclass and a ``register_objective`` call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -23,18 +35,71 @@ class Group:
     texts: list[str]
     logprobs: list[float]  # log pi(y|x), fp32 summed, from sampling
     ended: list[bool] = field(default_factory=list)  # False: truncated at max_new_tokens
-    signals: dict = field(default_factory=dict)  # objective name -> (K,) signal
-    values: dict = field(default_factory=dict)  # objective name -> GroupSignal
 
 
 @dataclass
 class GroupSignal:
     """One group's signals (K,) and its contribution to the scale estimate."""
 
-    signal: torch.Tensor  # (K,) float64
+    signal: torch.Tensor  # (K,) float64 sequence-level signal (zeros for token-level objectives)
     scale_term: float  # this group's estimate of E[a^2 | x]
     values: list[float] = field(default_factory=list)  # raw per-sample value (reward, sigma, ...)
-    extra: dict = field(default_factory=dict)
+    token_signal: list[torch.Tensor] | None = None  # token-level objectives: per response (L_k,) float64
+    prompt_index: int | None = None  # the group's PromptRecord.index, for per-prompt diagnostics
+
+
+@dataclass
+class Statistics:
+    """What an objective needs from the groups seen so far: plain lists and counts (serialisable).
+
+    Every field is a list of per-group entries or a count. ``merge`` concatenates lists (self's
+    groups first) and sums counts, so it is associative and the merge of two parts' statistics
+    equals the statistics of their groups in sequence (ranks in rank order; a resumed run after
+    its checkpoint). Subclasses add fields and extend ``add``; they must keep to lists and counts.
+    """
+
+    terms: list[float] = field(default_factory=list)  # per group: estimate of E[a^2 | x]
+    zero_groups: int = 0  # groups whose scale term is exactly 0 (no signal)
+
+    def add(self, signal: GroupSignal) -> None:
+        """Fold one group in (in place: the calibrator owns this object)."""
+        self.terms.append(signal.scale_term)
+        self.zero_groups += int(signal.scale_term == 0.0)
+
+    def merge(self, other: "Statistics") -> "Statistics":
+        """A new Statistics of self's groups followed by other's (neither is changed)."""
+        if type(other) is not type(self):
+            raise TypeError(f"cannot merge {type(self).__name__} with {type(other).__name__}")
+        # list + list concatenates, int + int sums: the two kinds of field allowed here
+        return type(self)(**{f.name: copy.deepcopy(getattr(self, f.name) + getattr(other, f.name))
+                             for f in fields(self)})
+
+    def to_dict(self) -> dict:
+        """Plain lists and ints (JSON-able with allow_nan: scale terms may be inf or nan)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Statistics":
+        names = {f.name for f in fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"{cls.__name__}: expected keys {sorted(names)}, got {sorted(data)}")
+        return cls(**copy.deepcopy(data))
+
+
+@dataclass
+class ScoringRow:
+    """A prompt + response row to score without a signal: ``ids[start:]`` is the response."""
+
+    ids: list[int]
+    start: int
+
+
+@dataclass
+class ExtraResult:
+    """What an objective makes of the mean score of its extra rows."""
+
+    grad_estimate: dict[str, torch.Tensor] | None  # replaces the objective's gradient estimate when set
+    summary: dict  # fields added to the objective's summary
 
 
 @dataclass
@@ -47,7 +112,7 @@ class Context:
 
 
 class Objective:
-    """Base class. Subclasses set the descriptive fields and implement ``group_signal``."""
+    """Base class. Subclasses set the descriptive fields and implement ``signals``."""
 
     kind = "objective"
     signal_formula = ""
@@ -55,61 +120,43 @@ class Objective:
     data_needs = ""
     caveats: tuple[str, ...] = ()
     min_samples_per_prompt = 1
-    #: Token-level objectives put per-token signals in ``GroupSignal.extra["token_signal"]``
-    #: (a list of (L_k,) tensors) and are bounded with the token-level Fisher.
+    #: Token-level objectives fill ``GroupSignal.token_signal`` and are bounded with the
+    #: token-level Fisher.
     token_level = False
     sign_draws = 1
-    #: Attributes holding per-group statistics. When the ranks of a distributed calibration
-    #: merge, lists are concatenated (in rank order) and counters summed.
-    statistics: tuple[str, ...] = ("_terms", "_zero_groups")
+    statistics_type: type[Statistics] = Statistics
 
     def __init__(self, name: str | None = None):
         self.name = name or self.kind
-        self._terms: list[float] = []
-        self._zero_groups = 0
 
     def prepare(self, ctx: Context, prompts: list) -> None:
-        """Before sampling: load a teacher, check data against the prompts (raise FisherSelectError)."""
-
-    def finish(self, cal, ctx: Context) -> dict:
-        """After calibration: extra summary fields (may replace this objective's grad_estimate)."""
-        return {}
-
-    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
-        raise NotImplementedError
+        """Before sampling, in every calibration: load a teacher, check data against the prompts
+        (raise FisherSelectError). Resolves resources only; it must not depend on earlier runs."""
 
     def signals(self, group: Group, ctx: Context) -> GroupSignal:
-        """Signals for one group; also records the group's scale term."""
-        out = self.group_signal(group, ctx)
-        self._terms.append(out.scale_term)
-        self._zero_groups += int(out.scale_term == 0.0)
-        return out
+        raise NotImplementedError
 
-    def statistics_state(self) -> dict:
-        return {name: getattr(self, name) for name in self.statistics}
+    def new_statistics(self) -> Statistics:
+        return self.statistics_type()
 
-    def merge_statistics(self, states: list[dict]) -> None:
-        """Replace this rank's statistics by the merge of every rank's ``statistics_state()``."""
-        for name in self.statistics:
-            values = [state[name] for state in states]
-            setattr(self, name, [v for part in values for v in part] if isinstance(values[0], list) else sum(values))
+    def extra_rows(self, ctx: Context) -> list[ScoringRow] | None:
+        """Rows the calibrator should score (plain scores, no signal) after sampling; None: none."""
+        return None
 
-    @property
-    def used(self) -> bool:
-        """True once a calibration recorded statistics here (instances are single-use)."""
-        return bool(self._terms)
+    def extra_result(self, mean_score: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor]) -> ExtraResult:
+        """From the mean score of ``extra_rows`` and the model Fisher: gradient estimate and summary fields."""
+        raise NotImplementedError(f"{type(self).__name__} declares no extra rows")
 
-    @property
-    def signal_scale(self) -> float | None:
+    def signal_scale(self, stats: Statistics) -> float | None:
         """S estimate: mean over prompts of the per-prompt terms (None if no group was seen)."""
-        return float(sum(self._terms) / len(self._terms)) if self._terms else None
+        return float(sum(stats.terms) / len(stats.terms)) if stats.terms else None
 
-    def scale_stderr(self) -> float | None:
+    def scale_stderr(self, stats: Statistics) -> float | None:
         """Standard error of the S estimate across prompts."""
-        n = len(self._terms)
+        n = len(stats.terms)
         if n < 2:
             return None
-        t = torch.tensor(self._terms, dtype=torch.float64)
+        t = torch.tensor(stats.terms, dtype=torch.float64)
         return float(t.std(unbiased=True) / n**0.5)
 
     def describe(self) -> dict:
@@ -123,13 +170,13 @@ class Objective:
             "token_level": self.token_level,
         }
 
-    def summary(self) -> dict:
+    def summary(self, stats: Statistics) -> dict:
         """Report fields after calibration."""
         return {
             **self.describe(),
-            "signal_scale": self.signal_scale,
-            "signal_scale_stderr": self.scale_stderr(),
-            "prompts_without_signal": self._zero_groups,
+            "signal_scale": self.signal_scale(stats),
+            "signal_scale_stderr": self.scale_stderr(stats),
+            "prompts_without_signal": stats.zero_groups,
         }
 
 

@@ -22,15 +22,17 @@ estimate rather than turning it into NaN.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fisher_select.calibration.objectives.registry import register_objective
 from fisher_select.validation import build_dataclass
 from fisher_select.errors import FisherSelectError
-from fisher_select.calibration.teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher, token_tables
-from fisher_select.calibration.objectives.base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance
+from fisher_select.calibration.objectives.teacher_based import TeacherObjective
+from fisher_select.calibration.teachers import Teacher, TeacherConfig, token_tables
+from fisher_select.calibration.objectives.base import (Context, Group, GroupSignal, Objective, Statistics, leave_one_out,
+                                                       unbiased_variance)
 
 _INFINITE_WARNING = (
     "the teacher gives probability 0 to {what} the model can produce: KL(pi || T) and the signal scale are "
@@ -38,34 +40,48 @@ _INFINITE_WARNING = (
 )
 
 
-class _TeacherObjective(Objective):
-    """Shared teacher handling: resolved before sampling, described in reports."""
+@dataclass
+class PGStatistics(Statistics):
+    """Scale terms plus the groups with an infinite sigma and each finite group's mean sigma."""
 
-    statistics = Objective.statistics + ("_infinite_groups",)
+    infinite_groups: int = 0
+    sigma_means: list[float] = field(default_factory=list)  # per finite group: mean of sigma
 
-    def __init__(self, teacher: Teacher | TeacherConfig, name: str | None = None):
-        super().__init__(name)
-        self.spec = teacher
-        self.teacher: Teacher | None = None
-        self._infinite_groups = 0
-
-    def prepare(self, ctx: Context, prompts) -> None:
-        self.teacher = resolve_teacher(self.spec, ctx, role="teacher")
-
-    def _ready(self, ctx: Context) -> Teacher:
-        if self.teacher is None:  # used outside calibrate()
-            self.prepare(ctx, [])
-        return self.teacher
-
-    def describe(self) -> dict:
-        return {**super().describe(), "teacher": describe_teacher(self.spec)}
+    def add(self, signal: GroupSignal) -> None:
+        super().add(signal)
+        sigma = torch.tensor(signal.values, dtype=torch.float64)  # (K,)
+        if torch.isfinite(sigma).all():
+            self.sigma_means.append(float(sigma.mean()))
+        else:
+            self.infinite_groups += 1
 
 
-class OPDPGObjective(_TeacherObjective):
+@dataclass
+class FullStatistics(Statistics):
+    """Scale terms plus the groups with an infinite KL and each group's sampled-token scale term."""
+
+    infinite_groups: int = 0
+    sampled_terms: list[float] = field(default_factory=list)  # per group: mean_k sum_t A_t^2 (inf if infinite)
+
+    def add(self, signal: GroupSignal) -> None:
+        super().add(signal)
+        if math.isinf(signal.scale_term):
+            self.infinite_groups += 1
+            self.sampled_terms.append(math.inf)
+        else:
+            sampled = [float(a.square().sum()) for a in signal.token_signal]
+            self.sampled_terms.append(sum(sampled) / len(sampled))
+
+
+def _infinite_warnings(what: str, n: int) -> list[str]:
+    return [_INFINITE_WARNING.format(what=what, n=n)] if n else []
+
+
+class OPDPGObjective(TeacherObjective):
     """PG-style on-policy distillation: a = sigma - E[sigma|x], S = E_x Var_pi(sigma|x)."""
 
     kind = "opd-pg"
-    statistics = _TeacherObjective.statistics + ("_sigma_means",)
+    statistics_type = PGStatistics
     signal_formula = "sigma - mean_{j!=k} sigma_j,  sigma = log T(y|x) - log pi(y|x)  (leave-one-out)"
     scale_formula = "E_x Var_pi(sigma|x)  (unbiased within-prompt variance, divisor K-1)"
     data_needs = ("prompts and a teacher with the model's tokenizer: another model, or the model itself "
@@ -77,32 +93,25 @@ class OPDPGObjective(_TeacherObjective):
         "A teacher that gives some sampled response probability 0 makes S infinite (no bound).",
     )
 
-    def __init__(self, teacher: Teacher | TeacherConfig, name: str | None = None):
-        super().__init__(teacher, name)
-        self._sigma_means: list[float] = []
-
-    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
+    def signals(self, group: Group, ctx: Context) -> GroupSignal:
         log_t = self._ready(ctx).sequence_logprobs(group)  # (K,) float64
         if torch.isnan(log_t).any():
             raise FisherSelectError(f"{self.teacher.name} gave NaN log-probabilities on {group.record.describe()}")
         sigma = log_t - torch.tensor(group.logprobs, dtype=torch.float64)  # (K,)
         if not torch.isfinite(sigma).all():  # log T = -inf: Var(sigma|x) is infinite
-            self._infinite_groups += 1
             return GroupSignal(torch.zeros_like(sigma), math.inf, sigma.tolist())
-        self._sigma_means.append(float(sigma.mean()))
         return GroupSignal(leave_one_out(sigma), unbiased_variance(sigma), sigma.tolist())
 
-    def summary(self) -> dict:
-        kl = -sum(self._sigma_means) / len(self._sigma_means) if self._sigma_means else None
-        warnings = []
-        if self._infinite_groups:
-            warnings.append(_INFINITE_WARNING.format(what="responses", n=self._infinite_groups))
-        return {**super().summary(), "reverse_kl_estimate": kl,
+    def summary(self, stats: PGStatistics) -> dict:
+        means = stats.sigma_means
+        kl = -sum(means) / len(means) if means else None
+        return {**super().summary(stats), "reverse_kl_estimate": kl,
                 "reverse_kl_meaning": "-mean(sigma): estimate of the sequence-level KL(pi || T) (finite groups)",
-                "infinite_groups": self._infinite_groups, "warnings": warnings}
+                "infinite_groups": stats.infinite_groups,
+                "warnings": _infinite_warnings("responses", stats.infinite_groups)}
 
 
-class OPDFullObjective(_TeacherObjective):
+class OPDFullObjective(TeacherObjective):
     """Full-vocabulary on-policy distillation: token signal A_t, token-level Fisher, exact per-state S."""
 
     kind = "opd-full"
@@ -119,49 +128,41 @@ class OPDFullObjective(_TeacherObjective):
         "A teacher with probability 0 for a token the model can produce makes KL and S infinite (no bound).",
     )
 
-    statistics = _TeacherObjective.statistics + ("_sampled_terms",)
+    statistics_type = FullStatistics
 
     def __init__(self, teacher: Teacher | TeacherConfig, sign_draws: int = 1, name: str | None = None):
         super().__init__(teacher, name)
         if sign_draws < 1:
             raise FisherSelectError(f"sign_draws must be at least 1, got {sign_draws}")
         self.sign_draws = sign_draws
-        self._sampled_terms: list[float] = []
 
-    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
+    def signals(self, group: Group, ctx: Context) -> GroupSignal:
         contexts = [group.prompt_ids] * len(group.responses)
         student = token_tables(ctx.model, contexts, group.responses)  # per response (L_k, V)
         teacher = self._ready(ctx).token_tables(group)
         if any(torch.isnan(t).any() for t in teacher):
             raise FisherSelectError(f"{self.teacher.name} gave NaN log-probabilities on {group.record.describe()}")
-        tokens, exact, sampled, kls = [], [], [], []
+        tokens, exact, kls = [], [], []
         for resp, lp_s, lp_t in zip(group.responses, student, teacher):
-            a, var, kl = token_signal(lp_s, lp_t, torch.tensor(resp))
+            a, var, kl = token_signal(lp_s, lp_t, torch.tensor(resp))  # (L_k,) each
             tokens.append(a)
             exact.append(float(var.sum()))
-            sampled.append(float(a.square().sum()))
             kls.append(float(kl.sum()))
         scale_term = sum(exact) / len(exact)
         if math.isinf(scale_term) or math.isnan(scale_term):
-            self._infinite_groups += 1
             tokens = [torch.zeros_like(a) for a in tokens]  # the gradient is undefined: leave the group out
             scale_term = math.inf
-            self._sampled_terms.append(math.inf)
-        else:
-            self._sampled_terms.append(sum(sampled) / len(sampled))
         zeros = torch.zeros(len(group.responses), dtype=torch.float64)  # no sequence-level signal
-        return GroupSignal(zeros, scale_term, kls, extra={"token_signal": tokens})
+        return GroupSignal(zeros, scale_term, kls, token_signal=tokens)
 
-    def summary(self) -> dict:
-        n = len(self._sampled_terms)
-        sampled = sum(self._sampled_terms) / n if n else None
-        warnings = []
-        if self._infinite_groups:
-            warnings.append(_INFINITE_WARNING.format(what="tokens", n=self._infinite_groups))
-        return {**super().summary(), "sign_draws": self.sign_draws,
+    def summary(self, stats: FullStatistics) -> dict:
+        n = len(stats.sampled_terms)
+        sampled = sum(stats.sampled_terms) / n if n else None
+        return {**super().summary(stats), "sign_draws": self.sign_draws,
                 "signal_scale_sampled": sampled,
                 "signal_scale_sampled_meaning": "E_y sum_t A_t^2 at the sampled tokens (same expectation, noisier)",
-                "infinite_groups": self._infinite_groups, "warnings": warnings}
+                "infinite_groups": stats.infinite_groups,
+                "warnings": _infinite_warnings("tokens", stats.infinite_groups)}
 
 
 def token_signal(lp_student: torch.Tensor, lp_teacher: torch.Tensor, response: torch.Tensor):
@@ -185,12 +186,15 @@ def token_signal(lp_student: torch.Tensor, lp_teacher: torch.Tensor, response: t
     return a, var, kl
 
 
+TEACHER_HELP = 'the teacher, as keys: model ("self" or a model spec), system_prompt, user_template'
+
+
 @dataclass
 class OPDPGConfig:
     """Recipe keys of an ``opd-pg`` objective."""
 
-    teacher: dict  # model ("self" or a spec), system_prompt, user_template
-    name: str | None = None
+    teacher: dict = field(metadata={"help": TEACHER_HELP})
+    name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})
 
     def problems(self) -> list[str]:
         return _teacher_problems(self.teacher)
@@ -200,9 +204,10 @@ class OPDPGConfig:
 class OPDFullConfig:
     """Recipe keys of an ``opd-full`` objective."""
 
-    teacher: dict  # model ("self" or a spec), system_prompt, user_template
-    sign_draws: int = 1  # Rademacher sign draws per sample for the token-level Fisher
-    name: str | None = None
+    teacher: dict = field(metadata={"help": TEACHER_HELP})
+    sign_draws: int = field(default=1, metadata={
+        "help": "Rademacher sign draws per sample for the token-level Fisher (more: less noise, more backwards)"})
+    name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})
 
     def problems(self) -> list[str]:
         out = _teacher_problems(self.teacher)

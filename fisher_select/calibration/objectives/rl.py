@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,7 +40,7 @@ class RLObjective(Objective):
             self.signal_formula = "r - mean_{j!=k} r_j  (leave-one-out centred reward)"
             self.scale_formula = "E_x Var_pi(r|x)  (unbiased within-prompt variance, divisor K-1)"
 
-    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
+    def signals(self, group: Group, ctx: Context) -> GroupSignal:
         rewards = torch.tensor(
             [evaluate_reward(self.reward, group.record, t) for t in group.texts], dtype=torch.float64
         )
@@ -61,9 +61,10 @@ class RLObjective(Objective):
 class RLConfig:
     """Recipe keys of an ``rl`` objective."""
 
-    reward: dict  # {"type": "numeric_match" | "regex" | "callable", ...}
-    normalize: str = "none"  # "none" or "grpo" (advantages divided by the group's reward std)
-    name: str | None = None
+    reward: dict = field(metadata={"help": 'the reward: {"type": "numeric_match" | "regex" | "callable", ...}'})
+    normalize: str = field(default="none", metadata={
+        "help": '"none" (a = r - rbar) or "grpo" (advantages divided by the group\'s reward std)'})
+    name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})
 
     def problems(self) -> list[str]:
         out = []

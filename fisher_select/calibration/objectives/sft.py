@@ -10,27 +10,28 @@ The expected SFT gradient is ``E_nu[h]``; on the model's own samples it reads
   only when the value itself exceeds fp64), the weight diagnostics with logsumexp.
 - ``SFTDemonstrationsObjective``: only demonstrations, no density. F still comes from the
   model's own samples; S is unknown (the ranking by F holds up to that common factor). The
-  demonstrations' mean score ``E_nu[h]`` is the SFT gradient estimate, and
-  ``max_i (E_nu h_i)^2 / F_i`` is the smallest chi-square consistent with it.
+  demonstrations' mean score ``E_nu[h]`` is the SFT gradient estimate (the objective gives the
+  demonstration rows, the calibrator scores them), and ``max_i (E_nu h_i)^2 / F_i`` is the
+  smallest chi-square consistent with it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from fisher_select.calibration.objectives.registry import register_objective
 from fisher_select.validation import build_dataclass
-from fisher_select.engine.scoring import plan_coverage, score_sums
 from fisher_select.errors import FisherSelectError
 from fisher_select.calibration.prompts import PromptRecord, load_prompts, render_prompt
-from fisher_select.calibration.sampling import left_pad
-from fisher_select.calibration.teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher
-from fisher_select.calibration.objectives.base import Context, Group, GroupSignal, Objective
+from fisher_select.calibration.objectives.teacher_based import TeacherObjective
+from fisher_select.calibration.teachers import TeacherConfig
+from fisher_select.calibration.objectives.base import (Context, ExtraResult, Group, GroupSignal, Objective, ScoringRow,
+                                                       Statistics)
 
 # Warn when the weights say S is unreliable (heuristics; the numbers are reported either way).
 ESS_WARN = 0.5  # mean over prompts of ESS / K below this
@@ -38,10 +39,25 @@ SHARE_WARN = 0.9  # one sample carries more than this share of a prompt's weight
 MEAN_WEIGHT_RANGE = (0.5, 2.0)  # E_pi[w] = 1 exactly; a sample mean outside this is suspicious
 # Signals above this are clipped so the fp32 score engine cannot overflow (a warning says so).
 MAX_SIGNAL = 1e30
-DEMO_BATCH = 8  # demonstrations scored per backward
 
 
-class SFTObjective(Objective):
+@dataclass
+class SFTStatistics(Statistics):
+    """Scale terms plus, per group, the prompt index and the K log-weights (fp64 values)."""
+
+    prompt_index: list[int] = field(default_factory=list)
+    log_w: list[list[float]] = field(default_factory=list)  # per group: (K,) log w
+    clipped: int = 0  # signals w - 1 above MAX_SIGNAL, clipped in the gradient estimate
+
+    def add(self, signal: GroupSignal) -> None:
+        super().add(signal)
+        self.prompt_index.append(signal.prompt_index)
+        self.log_w.append(list(signal.values))
+        excess = torch.expm1(torch.tensor(signal.values, dtype=torch.float64))  # (K,) w - 1
+        self.clipped += int((excess > MAX_SIGNAL).sum())
+
+
+class SFTObjective(TeacherObjective):
     """SFT toward a demonstrator with a density: a = w - 1, S = E[(w - 1)^2] = chi-square(nu || pi)."""
 
     kind = "sft"
@@ -56,42 +72,29 @@ class SFTObjective(Objective):
         "bound loose (or vacuous).",
     )
 
-    statistics = Objective.statistics + ("_log_w", "_clipped")
+    statistics_type = SFTStatistics
+    role = "demonstrator"
 
-    def __init__(self, demonstrator: Teacher | TeacherConfig, name: str | None = None):
-        super().__init__(name)
-        self.spec = demonstrator
-        self.demonstrator: Teacher | None = None
-        self._log_w: list[tuple[int, torch.Tensor]] = []  # per group: prompt index, (K,) float64 log w
-        self._clipped = 0
-
-    def prepare(self, ctx: Context, prompts) -> None:
-        self.demonstrator = resolve_teacher(self.spec, ctx, role="demonstrator")
-
-    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
-        if self.demonstrator is None:  # used outside calibrate()
-            self.prepare(ctx, [])
-        log_nu = self.demonstrator.sequence_logprobs(group)  # (K,) float64, -inf allowed
+    def signals(self, group: Group, ctx: Context) -> GroupSignal:
+        log_nu = self._ready(ctx).sequence_logprobs(group)  # (K,) float64, -inf allowed
         if torch.isnan(log_nu).any():
-            raise FisherSelectError(f"{self.demonstrator.name} gave NaN log-probabilities on {group.record.describe()}")
+            raise FisherSelectError(f"{self.teacher.name} gave NaN log-probabilities on {group.record.describe()}")
         log_w = log_nu - torch.tensor(group.logprobs, dtype=torch.float64)  # (K,)
-        self._log_w.append((group.record.index, log_w))
         excess = torch.expm1(log_w)  # w - 1, exact near w = 1; -1 where nu(y|x) = 0
         scale_term = float(excess.square().mean())  # inf only if the term exceeds the fp64 range
-        self._clipped += int((excess > MAX_SIGNAL).sum())
-        return GroupSignal(excess.clamp(max=MAX_SIGNAL), scale_term, log_w.tolist())
+        return GroupSignal(excess.clamp(max=MAX_SIGNAL), scale_term, log_w.tolist(),
+                           prompt_index=group.record.index)
 
-    def describe(self) -> dict:
-        return {**super().describe(), "demonstrator": describe_teacher(self.spec)}
 
-    def summary(self) -> dict:
-        diag = weight_diagnostics(self._log_w)
-        diag["clipped_signals"] = self._clipped
-        return {**super().summary(), "weights": diag, "warnings": self._warnings(diag)}
+    def summary(self, stats: SFTStatistics) -> dict:
+        log_ws = [(i, torch.tensor(lw, dtype=torch.float64)) for i, lw in zip(stats.prompt_index, stats.log_w)]
+        diag = weight_diagnostics(log_ws)
+        diag["clipped_signals"] = stats.clipped
+        return {**super().summary(stats), "weights": diag, "warnings": self._warnings(diag, stats)}
 
-    def _warnings(self, diag: dict) -> list[str]:
+    def _warnings(self, diag: dict, stats: SFTStatistics) -> list[str]:
         out = []
-        scale = self.signal_scale
+        scale = self.signal_scale(stats)
         if scale is not None and math.isinf(scale):
             out.append("chi-square overflows fp64 (some log w > 354): the bound is vacuous for this demonstrator")
         if diag["ess_mean_fraction"] is not None and diag["ess_mean_fraction"] < ESS_WARN:
@@ -104,8 +107,8 @@ class SFTObjective(Objective):
         if diag["mean_weight"] is not None and not low <= diag["mean_weight"] <= high:
             out.append(f"the weights average {diag['mean_weight']:.3g} but E_pi[w] = 1: nu puts mass where the model "
                        "rarely samples, so S is likely underestimated")
-        if self._clipped:
-            out.append(f"{self._clipped} signal(s) w - 1 above {MAX_SIGNAL:g} were clipped in the gradient estimate "
+        if stats.clipped:
+            out.append(f"{stats.clipped} signal(s) w - 1 above {MAX_SIGNAL:g} were clipped in the gradient estimate "
                        "(S uses the unclipped log-weights)")
         return out
 
@@ -163,6 +166,7 @@ class SFTDemonstrationsObjective(Objective):
         self.path = Path(demonstrations)
         self.demos = load_demonstrations(self.path)
         self.append_eos = append_eos
+        # resolved against the calibration prompts by prepare():
         self.pairs: list[tuple[PromptRecord, str]] = []  # (calibration prompt, demonstrated response)
         self.unused = 0
 
@@ -186,40 +190,48 @@ class SFTDemonstrationsObjective(Objective):
         self.pairs = [(r, resp) for key, r in first.items() for resp in by_key[key]]
         self.unused = sum(len(v) for k, v in by_key.items() if k not in first)
 
-    def group_signal(self, group: Group, ctx: Context) -> GroupSignal:
-        # No density: no per-sample signal. The gradient estimate comes from finish().
+    def signals(self, group: Group, ctx: Context) -> GroupSignal:
+        # No density: no per-sample signal. The gradient estimate comes from the extra rows.
         return GroupSignal(torch.zeros(len(group.responses), dtype=torch.float64), float("nan"))
 
-    @property
-    def signal_scale(self) -> float | None:
+    def signal_scale(self, stats: Statistics) -> float | None:
         return None
 
-    def scale_stderr(self) -> float | None:
+    def scale_stderr(self, stats: Statistics) -> float | None:
         return None
 
-    def finish(self, cal, ctx: Context) -> dict:
-        """E_nu[h] over the demonstration pairs (total / count); it replaces the gradient estimate."""
+    def extra_rows(self, ctx: Context) -> list[ScoringRow]:
+        """The demonstration pairs as prompt + response rows: their mean score is E_nu[h]."""
         if not self.pairs:
             raise FisherSelectError("no demonstration pairs: prepare(ctx, prompts) must run first (calibrate does)")
-        mean = demonstration_mean_score(ctx, self.pairs, self.append_eos)
-        cal.objective(self.name).grad_estimate = mean
-        bound = chi_square_lower_bound(mean, cal.fisher)
-        norm = math.sqrt(sum(float(m.double().square().sum()) for m in mean.values()))
-        return {
-            "signal_scale_status": "unknown: demonstrations have no density; bounds are sqrt(F), "
-                                   "the ranking holds up to the common factor sqrt(chi-square)",
-            "demonstrations": {"file": str(self.path), "pairs": len(self.pairs), "unused_lines": self.unused,
-                               "mean_score_norm": norm,
-                               "mean_score_meaning": "E_nu[h] over the demonstration pairs: the SFT gradient estimate"},
-            "chi_square_lower_bound": bound,
-            "warnings": _demo_warnings(bound),
-        }
+        return demonstration_rows(ctx.tokenizer, self.pairs, self.append_eos)
 
-    def summary(self) -> dict:
-        return {**super().summary(), "prompts_without_signal": None}
+    def extra_result(self, mean_score: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor]) -> ExtraResult:
+        """E_nu[h] (the rows' mean score) replaces the gradient estimate; chi-square lower bound from F."""
+        return ExtraResult(mean_score, demonstration_summary(mean_score, fisher, self.path, len(self.pairs),
+                                                             self.unused))
+
+    def summary(self, stats: Statistics) -> dict:
+        return {**super().summary(stats), "prompts_without_signal": None}
 
     def describe(self) -> dict:
         return {**super().describe(), "demonstrations_file": str(self.path), "append_eos": self.append_eos}
+
+
+def demonstration_summary(mean: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor], path: Path,
+                          pairs: int, unused: int) -> dict:
+    """Report fields of SFT from demonstrations, from their mean score and the model Fisher."""
+    bound = chi_square_lower_bound(mean, fisher)
+    norm = math.sqrt(sum(float(m.double().square().sum()) for m in mean.values()))
+    return {
+        "signal_scale_status": "unknown: demonstrations have no density; bounds are sqrt(F), "
+                               "the ranking holds up to the common factor sqrt(chi-square)",
+        "demonstrations": {"file": str(path), "pairs": pairs, "unused_lines": unused,
+                           "mean_score_norm": norm,
+                           "mean_score_meaning": "E_nu[h] over the demonstration pairs: the SFT gradient estimate"},
+        "chi_square_lower_bound": bound,
+        "warnings": _demo_warnings(bound),
+    }
 
 
 def load_demonstrations(path: Path) -> list[PromptRecord]:
@@ -240,30 +252,20 @@ def _prompt_key(record: PromptRecord) -> str:
     return json.dumps([[m["role"], m["content"]] for m in messages])
 
 
-def demonstration_mean_score(ctx: Context, pairs: list[tuple[PromptRecord, str]], append_eos: bool) -> dict:
-    """mean over pairs of h(x, y_demo): ``score_sums`` total / count over the demonstration rows."""
-    tok = ctx.tokenizer
+def demonstration_rows(tok, pairs: list[tuple[PromptRecord, str]], append_eos: bool) -> list[ScoringRow]:
+    """One prompt + response row per demonstration pair (the response tokenized without special tokens)."""
     eos = tok.eos_token_id
     if append_eos and eos is None:
         raise FisherSelectError("append_eos is set but the tokenizer has no EOS token")
-    rows, starts = [], []
+    rows = []
     for record, response in pairs:
         prompt = render_prompt(tok, record)
         resp = list(tok(response, add_special_tokens=False)["input_ids"]) + ([eos] if append_eos else [])
         if not resp:
             raise FisherSelectError(
                 f"an empty demonstration for {record.describe()}: give a response or set append_eos")
-        rows.append(prompt + resp)
-        starts.append(len(prompt))
-    cov = plan_coverage(ctx.model)
-    sums = None
-    for i in range(0, len(rows), DEMO_BATCH):
-        ids, mask = left_pad(rows[i : i + DEMO_BATCH], 0, ctx.device)  # (B, T); padding is masked
-        resp_mask = torch.zeros_like(ids, dtype=torch.bool)
-        for b, (row, start) in enumerate(zip(rows[i : i + DEMO_BATCH], starts[i : i + DEMO_BATCH])):
-            resp_mask[b, ids.shape[1] - len(row) + start :] = True
-        sums = score_sums(ctx.model, ids, mask, resp_mask, coverage=cov, into=sums)
-    return {name: t / sums.count for name, t in sums.total.items()}
+        rows.append(ScoringRow(prompt + resp, len(prompt)))
+    return rows
 
 
 def chi_square_lower_bound(mean: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor]) -> dict:
@@ -300,10 +302,13 @@ def _demo_warnings(bound: dict) -> list[str]:
 class SFTConfig:
     """Recipe keys of an ``sft`` objective: exactly one of ``demonstrator`` and ``demonstrations``."""
 
-    demonstrator: dict | None = None  # teacher keys: model ("self" or a spec), system_prompt, user_template
-    demonstrations: str | None = None  # JSONL of prompt + response lines, relative to the recipe
-    append_eos: bool = True  # a demonstration ends with EOS, as a finished model sample does
-    name: str | None = None
+    demonstrator: dict | None = field(default=None, metadata={
+        "help": 'a density nu, as teacher keys: model ("self" or a model spec), system_prompt, user_template'})
+    demonstrations: str | None = field(default=None, metadata={
+        "help": "JSONL file of prompt + response lines (no density), relative to the recipe"})
+    append_eos: bool = field(default=True, metadata={
+        "help": "end each demonstration with EOS, as a finished model sample does"})
+    name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})
 
     def resolve_paths(self, base_dir: Path) -> None:
         """config.parse_recipe: a relative demonstrations file is relative to the recipe file."""

@@ -1,16 +1,22 @@
 """What a rule is and what it returns.
 
-Every rule has one signature: ``contributions(module, captured, grad_output, block)`` takes
-what the forward hook kept of one module call (``captured``, from ``capture``) and the gradient
-of the summed log-probabilities with respect to that call's output (``grad_output``, which is
-per-sample because samples do not interact), and yields per-sample gradients of the module's
-own parameters. The engine squares, weights and sums them in fp32.
+Every rule has one signature: ``contributions(module, captured, grad_output, block, dtype)``
+takes what the forward hook kept of one module call (``captured``, from ``capture``) and the
+gradient of the summed log-probabilities with respect to that call's output (``grad_output``,
+which is per-sample because samples do not interact), and yields per-sample gradients of the
+module's own parameters in ``dtype`` (the engine's accumulation dtype: fp32 by default, float64
+in the exactness tests). The engine squares, weights and sums them.
+
+A rule also answers the layer questions the rest of the package asks through the registry
+(``registry.py``): ``linear_like``, ``fisher_shape``, and the ``check`` / ``guard`` hooks that
+keep a layer differentiable (bitsandbytes' CPU inference repacking).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -26,7 +32,7 @@ class Contribution:
 
     param: str  # local name in the module, e.g. "weight"
     start: int
-    value: torch.Tensor  # (b, *shape) or (b, len(rows), *shape[1:]), fp32
+    value: torch.Tensor  # (b, *shape) or (b, len(rows), *shape[1:]), in the requested dtype
     rows: slice | None = None
 
     @property
@@ -44,7 +50,15 @@ class RowSparse:
     param: str
     sample: torch.Tensor  # (M,) long
     row: torch.Tensor  # (M,) long
-    value: torch.Tensor  # (M, d) fp32
+    value: torch.Tensor  # (M, d), in the requested dtype
+
+
+@dataclass
+class Summed:
+    """``sum_n w_n h_n`` of one parameter over the whole batch (``Rule.weighted_sum``)."""
+
+    param: str
+    value: torch.Tensor  # (*shape), in the requested dtype
 
 
 class Rule:
@@ -52,6 +66,8 @@ class Rule:
 
     #: True when contributions are ``RowSparse`` and ``support`` is implemented.
     sparse = False
+    #: True for layers computing ``X W^T + b`` with a 2-D (logical) weight: what LoRA can target.
+    linear_like = False
 
     @staticmethod
     def accepts(module: nn.Module) -> bool:
@@ -71,10 +87,28 @@ class Rule:
         return args[0].detach()
 
     def contributions(
-        self, module: nn.Module, captured, grad_output: torch.Tensor, block: int
+        self, module: nn.Module, captured, grad_output: torch.Tensor, block: int, dtype: torch.dtype
     ) -> Iterator[Contribution | RowSparse]:
-        """Per-sample gradients; ``block`` caps the elements of one dense per-sample block."""
+        """Per-sample gradients in ``dtype``; ``block`` caps the elements of one dense per-sample block."""
         raise NotImplementedError
+
+    def weighted_sum(
+        self, module: nn.Module, captured, grad_output: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+    ) -> Iterator[Summed] | None:
+        """``sum_n weights[n] h_n`` per parameter without per-sample gradients (weights: (B,)).
+
+        For a pass that needs no squares and one weighted sum: one GEMM per layer, as a plain
+        backward's weight gradient. None (the default): no such shortcut, the engine reduces
+        the per-sample ``contributions`` instead.
+        """
+        return None
+
+    def check(self, module: nn.Module) -> None:
+        """Raise ``FisherSelectError`` if this instance cannot be differentiated in its current state."""
+
+    def guard(self, module: nn.Module) -> ContextManager:
+        """A context that keeps this instance differentiable while inference runs through it."""
+        return nullcontext()
 
     def support(self, module: nn.Module, captured) -> tuple[torch.Tensor, torch.Tensor]:
         """(sample, row) pairs a sparse rule will report, in the same order (sparse rules only)."""
@@ -89,21 +123,27 @@ def samples_per_block(batch: int, per_sample: int, block: int) -> int:
 def blocks(batch: int, rows: int, row_size: int, block: int):
     """(sample slice, row slice) pieces of a (batch, rows, row_size) per-sample tensor.
 
-    Each piece holds at most ``block`` elements (at least one row of one sample), so squaring
-    and summing it happens while it is still in cache, not in a second pass over memory.
+    Each piece holds at most ``block`` elements (at least one row of one sample). Pieces run
+    over the rows and hold every sample of their rows where that fits, so the engine reduces a
+    piece over its samples while it is in cache and touches each accumulator row once per
+    batch (an output head is so cut into vocabulary chunks). Only rows too long for all samples
+    at once are split over samples as well.
     """
-    per_sample = rows * row_size
-    if per_sample <= block:
-        step = samples_per_block(batch, per_sample, block)
-        for start in range(0, batch, step):
-            yield slice(start, min(batch, start + step)), None
-        return
-    row_step = max(1, block // max(1, row_size))
-    for n in range(batch):
+    per_row = batch * row_size
+    if per_row <= block:
+        row_step = min(rows, block // per_row)
+        if row_step == rows:
+            yield slice(0, batch), None
+            return
         for r in range(0, rows, row_step):
-            yield slice(n, n + 1), slice(r, min(rows, r + row_step))
+            yield slice(0, batch), slice(r, min(rows, r + row_step))
+        return
+    step = samples_per_block(batch, row_size, block)
+    for r in range(rows):
+        for start in range(0, batch, step):
+            yield slice(start, min(batch, start + step)), slice(r, r + 1)
 
 
-def as_3d(t: torch.Tensor) -> torch.Tensor:
-    """(B, ..., d) -> (B, positions, d) in fp32: positions are everything between batch and features."""
-    return t.reshape(t.shape[0], -1, t.shape[-1]).float()
+def as_3d(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, ..., d) -> (B, positions, d) in ``dtype``: positions are everything between batch and features."""
+    return t.reshape(t.shape[0], -1, t.shape[-1]).to(dtype)

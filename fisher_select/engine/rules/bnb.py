@@ -5,6 +5,9 @@ Their weight is stored packed/quantized and gets no ``.grad``, but the layer sti
 dequantized weight: the Fisher has the shape (out_features, in_features), not the packed
 storage's shape. Backward only runs when the layer's input requires grad, which the engine
 ensures by anchoring the graph at the first rule module's output.
+
+Both classes are registered lazily: bitsandbytes is imported only when a model holds one of its
+layers. Nothing here imports it at module level.
 """
 
 from __future__ import annotations
@@ -13,64 +16,55 @@ from contextlib import contextmanager
 
 from fisher_select.errors import FisherSelectError
 from fisher_select.engine.rules.base import Rule
-from fisher_select.engine.rules.linear import linear_contributions
+from fisher_select.engine.rules.linear import linear_contributions, linear_weighted_sum
+from fisher_select.engine.rules.registry import Lazy, guard_model, register
 
 
+@register(Lazy("bitsandbytes.nn", "Linear8bitLt"))
 class BnbLinearRule(Rule):
-    def contributions(self, module, captured, grad_output, block):
+    linear_like = True
+
+    def contributions(self, module, captured, grad_output, block, dtype):
         yield from linear_contributions(
-            captured, grad_output, module.out_features, module.in_features, module.bias is not None, block
+            captured, grad_output, module.out_features, module.in_features, module.bias is not None, block, dtype
         )
+
+    def weighted_sum(self, module, captured, grad_output, weights, dtype):
+        return linear_weighted_sum(captured, grad_output, module.bias is not None, weights, dtype)
 
     def fisher_shape(self, module, name, param):
         # The packed storage has another shape; the Fisher is over the dequantized weight.
         return (module.out_features, module.in_features) if name == "weight" else tuple(param.shape)
 
 
-def register_bnb(register) -> None:
-    try:
-        import bitsandbytes as bnb
-    except Exception:  # not installed, or no usable backend: no quantized layers to cover
-        return
-    rule = BnbLinearRule()
-    for name in ("Linear4bit", "Linear8bitLt"):
-        cls = getattr(bnb.nn, name, None)
-        if cls is not None:
-            register(cls, rule)
-
-
-
-def _linear4bit_modules(model):
-    return [m for m in model.modules() if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")]
-
-
-@contextmanager
-def keep_trainable_layout(model):
-    """Keep bitsandbytes 4-bit layers out of their CPU inference layout while calibrating.
+@register(Lazy("bitsandbytes.nn", "Linear4bit"))
+class Bnb4bitRule(BnbLinearRule):
+    """4-bit layers: as 8-bit, plus a guard against bitsandbytes' CPU inference repacking.
 
     In eval mode, on a CPU with AVX512-BF16, ``Linear4bit.forward`` repacks its weight in place
     for a fast inference kernel (absmax rounded to bf16) that has no backward. Sampling would
     then draw from slightly different weights than the scores use, and scoring would fail.
-    The layers themselves have no dropout, so marking them as training changes nothing else.
     """
-    layers = _linear4bit_modules(model)
-    saved = [m.training for m in layers]
-    try:
-        for m in layers:
-            m.training = True
-        yield
-    finally:
-        for m, t in zip(layers, saved):
-            m.training = t
+
+    @contextmanager
+    def guard(self, module):
+        # The layers themselves have no dropout, so marking them as training changes nothing else.
+        saved = module.training
+        try:
+            module.training = True
+            yield
+        finally:
+            module.training = saved
+
+    def check(self, module):
+        if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
+            raise FisherSelectError(
+                "bitsandbytes repacked some 4-bit weights into its CPU inference layout (it does so in eval "
+                "mode without gradients), which has no backward; reload the model, or run inference before "
+                "scoring inside fisher_select.engine.rules.guard_model(model), which keeps the Linear4bit "
+                "layers in train mode"
+            )
 
 
-def check_layout(model) -> None:
-    """Refuse weights already repacked for CPU inference (their layer cannot be differentiated)."""
-    packed = [m for m in _linear4bit_modules(model)
-              if getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False)]
-    if packed:
-        raise FisherSelectError(
-            "bitsandbytes repacked some 4-bit weights into its CPU inference layout (it does so in eval mode "
-            "without gradients), which has no backward; reload the model, or keep the Linear4bit layers in "
-            "train mode (fisher_select.engine.rules.bnb.keep_trainable_layout) when running inference before scoring"
-        )
+# The guard under its historical name (calibrate() used to import it from here).
+keep_trainable_layout = guard_model

@@ -7,10 +7,13 @@ returned as ``RowSparse`` entries (sample, row, value) with unique (sample, row)
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from fisher_select.engine.rules.base import Rule, RowSparse
+from fisher_select.engine.rules.registry import register
 
 
+@register(nn.Embedding)
 class EmbeddingRule(Rule):
     sparse = True
 
@@ -36,10 +39,10 @@ class EmbeddingRule(Rule):
         unique, _, _ = self._keys(module, captured)
         return unique // module.num_embeddings, unique % module.num_embeddings
 
-    def contributions(self, module, captured, grad_output, block):
+    def contributions(self, module, captured, grad_output, block, dtype):
         unique, inverse, valid = self._keys(module, captured)
-        dy = grad_output.reshape(*valid.shape, -1).float()[valid]  # (P, d) valid positions
-        value = torch.zeros(unique.numel(), dy.shape[-1], dtype=torch.float32, device=dy.device)
+        dy = grad_output.reshape(*valid.shape, -1).to(dtype)[valid]  # (P, d) valid positions
+        value = torch.zeros(unique.numel(), dy.shape[-1], dtype=dtype, device=dy.device)
         value.index_add_(0, inverse, dy)  # (M, d): per-sample row sums
         v = module.num_embeddings
         yield RowSparse("weight", unique // v, unique % v, value)

@@ -1,0 +1,144 @@
+"""The README's "Validation against training" table: calibrate the embedded default, then validate.
+
+For each training (RL or SFT from demonstrations, SGD or AdamW) this calibrates once (cached in
+``--runs``), runs ``fisher_select.training.validate`` and prints one table row: AUROC of the run's
+ranking for "moved" = the realized top 1% beside every baseline, the module aggregates' Spearman
+and the first-step check. Each validation's full ``validation.json`` and plots stay in the run dir.
+
+    python bench/validate_embedded.py --objective rl --optimizer sgd --lr 1e-4 --steps 8
+    python bench/validate_embedded.py --objective sft --optimizer adamw --lr 1e-5 --steps 8
+    python bench/validate_embedded.py --objective rl --optimizer sgd --steps 2 --num-prompts 8 \\
+        --calibration-samples 4 --prompts-per-step 4 --samples-per-prompt 4 --max-new-tokens 16   # small check
+
+Settings of the issue's measurement: calibration 16 prompts x 8 samples, 32 new tokens; 8 steps of
+8 prompts x 4 samples; 2M-coordinate subsample. On a 2-core CPU one RL validation at those settings
+takes tens of minutes; ``--device cuda`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from fisher_select.config import find_recipe, load_recipe
+from fisher_select.pipeline import run_recipe
+from fisher_select.training.validate import ValidationOptions, summary_lines, validate
+
+RECIPES = {"rl": "rl-arithmetic", "sft": "sft-demonstrations"}
+COLUMNS = ("random", "magnitude", "single_batch_gradient", "second_seed", "spectrum_snr", "kappa")
+
+
+def calibrated(args) -> Path:
+    """The run directory of this objective and calibration size (calibrated once, then reused)."""
+    out = Path(args.runs) / f"{args.objective}-n{args.num_prompts}-k{args.calibration_samples}-t{args.max_new_tokens}"
+    if (out / "report.json").is_file():
+        return out
+    overrides = {"num_prompts": args.num_prompts, "samples_per_prompt": args.calibration_samples,
+                 "max_new_tokens": args.max_new_tokens, "device": args.device, "seed": 0}
+    recipe = load_recipe(find_recipe(RECIPES[args.objective]), overrides)
+    started = time.time()
+    run_recipe(recipe, out, progress=not args.quiet, recipe_name=RECIPES[args.objective])
+    print(f"calibrated {out} in {time.time() - started:.0f} s", file=sys.stderr)
+    return out
+
+
+def sft_setup_on(run_dir: Path, args):
+    """SFT from demonstrations trained on the prompts of a run calibrated with another objective.
+
+    The model Fisher F does not depend on the objective (same model, prompts and samples), so an RL
+    run's F ranks coordinates for SFT as well; this saves a second calibration on a slow machine.
+    """
+    from fisher_select.config import build_objectives
+    from fisher_select.calibration.prompts import load_prompts
+    from fisher_select.models import load_model
+    from fisher_select.rundir import load_run
+    from fisher_select.training.validate import Setup
+
+    run = load_run(run_dir)
+    recipe = load_recipe(find_recipe(RECIPES["sft"]), {"num_prompts": run.report.num_prompts})
+    model, tokenizer, _ = load_model(run.report.model.path, args.device, "float32")
+    every = load_prompts(recipe.prompts)
+    n = run.report.num_prompts
+    return Setup(model, tokenizer, build_objectives(recipe)[0], every[:n], every[n : n + args.eval_prompts], True,
+                 args.device)
+
+
+def row(label: str, report: dict) -> str:
+    def auc(entry):
+        value = entry.get("auroc", {}).get("q0.99")
+        return "n/a" if value is None else f"{value:.2f}"
+
+    base = report["baselines"]
+    cells = [label, auc(report)] + [auc(base[k]) for k in COLUMNS] + [auc(report["adam_aware"])]
+    sm = report["spearman_modules"]
+    cells += [f"{sm['sum_sqrt_fisher']:.2f}" if sm["sum_sqrt_fisher"] is not None else "n/a",
+              f"{sm['sum_fisher']:.2f}" if sm["sum_fisher"] is not None else "n/a"]
+    fs = report["first_step"]
+    cells.append("n/a (no S for the trained objective)" if fs.get("violation_rate") is None else
+                 f"{fs['violation_rate']:.1e} (noise {fs['noise_violation_rate']:.1e})")
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| training | F ranking AUROC | random | abs(theta) | single-batch abs(grad) | second seed | Spectrum SNR "
+          "| KappaTune | Adam-aware SNR | module rho, sum sqrt(F) | module rho, sum F | first-step violations |\n"
+          + "|---" * 12 + "|")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--objective", choices=tuple(RECIPES), default="rl")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-4 (SGD) / 1e-5 (AdamW)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=16, help="calibration prompts")
+    p.add_argument("--calibration-samples", type=int, default=8, help="calibration samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--train-new-tokens", type=int, default=None, help="training samples' length (default: as calibrated)")
+    p.add_argument("--first-step-prompts", type=int, default=None, help="default 2 x --prompts-per-step")
+    p.add_argument("--no-second-seed", action="store_true")
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--samples-per-prompt", type=int, default=4)
+    p.add_argument("--subsample", type=int, default=2_000_000)
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--mask-densities", type=float, nargs="*", default=[])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--runs", default="runs/validate-bench")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--fisher-run", help="train SFT from demonstrations on this (e.g. RL) run's F and prompts "
+                                        "instead of calibrating the SFT recipe (F is objective-independent)")
+    args = p.parse_args(argv)
+    lr = args.lr if args.lr is not None else (1e-4 if args.optimizer == "sgd" else 1e-5)
+    setup = None
+    if args.fisher_run:
+        if args.objective != "sft":
+            p.error("--fisher-run is for --objective sft")
+        run, setup = Path(args.fisher_run), sft_setup_on(Path(args.fisher_run), args)
+    else:
+        run = calibrated(args)
+    out = run / f"validation-{args.objective}-{args.optimizer}-lr{lr:g}-wd{args.weight_decay:g}-s{args.steps}-seed{args.seed}"
+    options = ValidationOptions(subsample=args.subsample, eval_prompts=args.eval_prompts,
+                                first_step_prompts=args.first_step_prompts, second_seed=not args.no_second_seed,
+                                mask_densities=tuple(args.mask_densities))
+    new_tokens = args.train_new_tokens or args.max_new_tokens
+    started = time.time()
+    result = validate(run, args.steps, args.optimizer, lr, args.weight_decay, args.seed, out=out, overwrite=True,
+                      options=options, setup=setup, device=args.device, progress=not args.quiet,
+                      prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
+                      max_new_tokens=new_tokens)
+    print("\n".join(summary_lines(result.report)))
+    label = f"{args.objective.upper()}, {'SGD' if args.optimizer == 'sgd' else 'AdamW'} (lr {lr:g}, wd {args.weight_decay:g})"
+    print(f"\nsettings: calibration {args.num_prompts} x {args.calibration_samples}, {args.max_new_tokens} new tokens; "
+          f"{args.steps} steps of {args.prompts_per_step} x {args.samples_per_prompt}, {new_tokens} new tokens; "
+          f"subsample {args.subsample}; "
+          f"{time.time() - started:.0f} s; wrote {result.out}")
+    print(HEADER)
+    print(row(label, result.report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""`fisher-select report RUN`: report.json, report.md and report.html again from a run directory."""
+
+from __future__ import annotations
+
+from fisher_select.report.build import regenerate
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report", help="regenerate report.json, report.md and report.html of a run directory",
+        description="Recompute the report's statistics from the run's files (F, gradient estimates, S, samples, "
+                    "per-prompt scale terms) and redraw the pages; nothing is sampled or scored again. Statistics "
+                    "that need the sampling pass (score-mean check, split halves, per-batch spread) are kept "
+                    "as written. Each file is replaced atomically.")
+    p.add_argument("run", help="a run directory (the --out of `fisher-select calibrate`)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    for path in regenerate(args.run):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,137 @@
+"""The report's sentences and table rows, shared by the CLI summary, report.md and report.html.
+
+Numbers are shown to 3 significant digits.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fisher_select.caveats import CAVEAT_LINE, CAVEATS
+from fisher_select.report.statistics import ReportStatistics, ScaleUncertainty
+from fisher_select.rundir import ModuleEntry, RunReport
+
+HEAVY_WEIGHT_SHARE = 0.5  # SFT: one sample carries more than half a prompt's importance weight
+LOW_ESS_FRACTION = 0.5  # SFT: effective sample size below half of K
+SCALE_RATIO = 10.0  # objectives whose S differ by more than this factor
+TRUNCATION_CAVEAT = 0.1
+
+
+def fmt(x, digits: int = 3) -> str:
+    """3 significant digits; None -> n/a."""
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool) or isinstance(x, int):
+        return str(x)
+    if isinstance(x, str):
+        return x
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.3g}%"
+
+
+def interval(iv) -> str:
+    return "n/a" if not iv else f"[{fmt(iv[0])}, {fmt(iv[1])}]"
+
+
+def scale_text(entry, u: ScaleUncertainty | None) -> str:
+    """S with its interval, standard error and silent prompts."""
+    if entry.signal_scale is None:
+        return "S unknown (bounds are sqrt(F): ranking only)"
+    text = f"S = {fmt(entry.signal_scale)}"
+    if u is None:
+        return text
+    if u.bootstrap_interval:
+        text += (f" ({u.level:.0%} CI {interval(u.bootstrap_interval)} bootstrap over prompts, "
+                 f"t {interval(u.t_interval)}; stderr {fmt(u.stderr)}"
+                 f"{'' if u.relative_stderr is None else ', ' + pct(u.relative_stderr)})")
+    elif u.note:
+        text += f" ({u.note})"
+    return text + f"; {u.prompts_without_signal} of {u.num_prompts} prompts without signal"
+
+
+def uncertainty_of(stats: ReportStatistics, name: str) -> ScaleUncertainty | None:
+    return next((u for u in stats.uncertainty if u.objective == name), None)
+
+
+def run_caveats(report: RunReport, stats: ReportStatistics) -> list[str]:
+    """The caveats, made concrete with this run's numbers where they bite."""
+    out = []
+    scales = {}
+    for o in report.objectives:
+        s, u = o.signal_scale, uncertainty_of(stats, o.name)
+        if s is None:
+            out.append(f"S of {o.name} is unknown: its bounds are sqrt(F), which only rank coordinates")
+        elif s == 0:
+            out.append(f"S = 0 for {o.name}: its bounds are 0 only because no sampled response of "
+                       f"{report.num_prompts} prompts carried signal, not because training would move nothing")
+        elif not math.isfinite(s):
+            out.append(f"S is infinite for {o.name}: it has no bound")
+        else:
+            scales[o.name] = s
+            if u is not None and u.relative_stderr is not None and u.relative_stderr > 0.25:
+                out.append(f"S of {o.name} = {fmt(s)} has a standard error of {pct(u.relative_stderr)}: its bounds "
+                           f"(sqrt(S)) are uncertain by about {pct(u.relative_stderr / 2)}")
+        weights = o.details.get("weights") if isinstance(o.details.get("weights"), dict) else {}
+        share, ess = weights.get("max_weight_share"), weights.get("ess_mean_fraction")
+        if (share is not None and share > HEAVY_WEIGHT_SHARE) or (ess is not None and ess < LOW_ESS_FRACTION):
+            out.append(f"importance weights of {o.name} are heavy (largest weight share {fmt(share)}, mean ESS "
+                       f"{pct(ess)} of K): its S rests on few samples and is likely underestimated")
+    if len(scales) > 1:
+        hi, lo = max(scales, key=scales.get), min(scales, key=scales.get)
+        ratio = scales[hi] / scales[lo]
+        if ratio > SCALE_RATIO:
+            out.append(f"S of {hi} is {fmt(ratio)}x that of {lo}: {hi}'s bounds are {fmt(math.sqrt(ratio))}x looser")
+    if report.truncation_rate > TRUNCATION_CAVEAT:
+        out.append(f"{pct(report.truncation_rate)} of responses were cut at max_new_tokens = {report.max_new_tokens}: "
+                   "F and S describe the truncated distribution")
+    return out
+
+
+def caveat_block(report: RunReport, short: bool = False) -> list[str]:
+    """The caveats first: the general ones (one line when ``short``), then this run's numbers."""
+    concrete = run_caveats(report, ReportStatistics.from_json(report.statistics))
+    head = [CAVEAT_LINE] if short else list(CAVEATS)
+    return head + [f"  in this run: {c}" if short else f"In this run: {c}" for c in concrete]
+
+
+def statistics_lines(report: RunReport) -> list[str]:
+    """One line per objective (S with its uncertainty), then sampling, stability and concentration."""
+    stats = ReportStatistics.from_json(report.statistics)
+    lines = [f"objective {o.name} ({o.type}): {scale_text(o, uncertainty_of(stats, o.name))}   signal: {o.signal}"
+             for o in report.objectives]
+    if stats.conformity is not None:
+        lines.append(f"sampling conformity: {stats.conformity.message}")
+    if stats.stability is not None:
+        lines.append(f"estimator stability: {stats.stability.message}")
+    c = stats.concentration
+    if c is not None:
+        parts = ", ".join(f"top {pct(f)}: {pct(s)}" for f, s in zip(c.fractions, c.mass_shares))
+        lines.append(f"concentration: share of F mass in the top coordinates: {parts}")
+    return lines
+
+
+MODULE_COLUMNS = ("sqrt(F) share", "F share", "F rel. stderr", "bound mean", "bound max", "module")
+
+
+def ranked_modules(report: RunReport) -> list[ModuleEntry]:
+    """Modules by sum of sqrt(F), largest first: the ranking the tables use."""
+    return sorted(report.modules, key=lambda m: -m.sqrt_fisher_mass)
+
+
+def module_cells(m: ModuleEntry) -> list[str]:
+    return [pct(m.sqrt_mass_share), pct(m.mass_share), pct(m.fisher_mass_rel_stderr), fmt(m.bound_mean),
+            fmt(m.bound_max) if m.bound_max is not None else "n/a (S unknown)", m.name]
+
+
+def module_rows(report: RunReport, top: int) -> tuple[str, list[str]]:
+    """A fixed-width header and rows of the ``top`` modules by sum of sqrt(F)."""
+    widths = (13, 9, 13, 11, 11, 0)
+    header = "  ".join(f"{c:<{w}}" if w else c for c, w in zip(MODULE_COLUMNS, widths))
+    rows = ["  ".join(f"{c:<{w}}" if w else c for c, w in zip(module_cells(m), widths))
+            for m in ranked_modules(report)[:top]]
+    return header, rows

@@ -1,0 +1,517 @@
+"""`fisher-select validate`: train for real from the calibration point and measure what moved.
+
+``validate(run, steps, optimizer, lr, weight_decay, seed)`` loads the run's model (fp32 master
+weights) and recipe, trains with the run's primary objective (``training.loop``), records the
+realized movement ``|theta_T - theta_0|`` of every coordinate in fp32 and scores the run's ranking
+(F; for one objective the bound ``sqrt(F S)`` ranks identically) against it, beside baselines on
+the same subsample of coordinates: random, ``|theta|``, one batch's ``|grad|``, Spectrum's weight SNR,
+PEFT's KappaTune, a second run with another seed (the ceiling), and an Adam-aware ranking (beyond
+the seed's bound; see ``_adam_aware``). It also runs the first-step check (one SGD step on a large
+batch: ``|delta|/lr`` against the bound, with the noise level) and, when asked, masked fine-tuning
+with fisher_select's, a random and a magnitude mask. Output: ``validation.json`` and plots, written
+atomically into one directory (default ``RUN/validation-<optimizer>-seed<seed>``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fisher_select.atomic import check_dir_target, write_dir
+from fisher_select.calibration.objectives.base import Context, Objective
+from fisher_select.calibration.prompts import PromptRecord, load_prompts
+from fisher_select.config import build_objectives, parse_recipe
+from fisher_select.engine.scoring import plan_coverage, score_sums
+from fisher_select.errors import FisherSelectError
+from fisher_select.models import check_fingerprint, load_model
+from fisher_select.outputs.selection import top_count, top_k_mask
+from fisher_select.report.build import module_of
+from fisher_select.rundir import Run, coordinate_bound, load_run
+from fisher_select.training import baselines, plots
+from fisher_select.training.loop import Streams, TrainSettings, backward, make_task, pad_rows, token_weights, train
+from fisher_select.training.metrics import (TOP_K, Realized, Subsample, first_step_check, ranking_metrics,
+                                            selection_metrics, spearman)
+from fisher_select.training.movement import gradients, movement, restore, snapshot
+
+# Offsets of the random streams derived from the seed (each use gets its own, all reproducible).
+FIRST_STEP_STREAM, SINGLE_BATCH_STREAM, EVAL_STREAM, METRIC_STREAM, MASK_STREAM = (
+    1_000_003, 1_000_033, 1_000_037, 1_000_039, 1_000_081)
+CURVE_FRACTIONS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
+JSON_FILE = "validation.json"
+
+
+@dataclass
+class ValidationOptions:
+    """What to measure besides the main run."""
+
+    subsample: int | None = 2_000_000  # coordinates scored (None: all of them)
+    second_seed: bool = True  # a second run with seed + 1: how well one run predicts another
+    first_step_prompts: int | None = None  # the first-step batch (default 2 x prompts_per_step), in two halves
+    eval_prompts: int = 8  # held-out prompts after the calibration's, for the training outcome
+    mask_densities: tuple[float, ...] = ()  # masked fine-tuning at these densities (fisher / random / magnitude)
+    adam_aware: bool = True
+
+
+@dataclass
+class Setup:
+    """What training needs: the model (fp32), tokenizer, objective and prompts."""
+
+    model: object
+    tokenizer: object
+    objective: Objective
+    prompts: list[PromptRecord]
+    eval_prompts: list[PromptRecord]
+    eval_disjoint: bool  # False: no prompt was left after the calibration's; the held-out set repeats them
+    device: object = "cpu"
+
+
+@dataclass
+class ValidationResult:
+    report: dict  # validation.json
+    figures: dict  # data of the plots
+    out: Path | None = None
+
+
+@dataclass
+class Reduced:
+    """A parameter-shaped quantity reduced to what the metrics use: the subsample and module sums."""
+
+    sub: torch.Tensor  # (M,) fp32
+    modules: dict[str, float]  # module -> sum over its coordinates (fp64)
+
+
+def reduce(tensors: dict[str, torch.Tensor], sub: Subsample, transform=None) -> Reduced:
+    """Subsample values and per-module sums of ``transform(tensor)`` (default: the tensor)."""
+    modules: dict[str, float] = {}
+    values = {}
+    for name, t in tensors.items():
+        v = t if transform is None else transform(t)
+        values[name] = v
+        modules[module_of(name)] = modules.get(module_of(name), 0.0) + float(v.double().sum())
+    return Reduced(sub.take(values), modules)
+
+
+def validate(run, steps: int, optimizer: str = "sgd", lr: float = 1e-4, weight_decay: float = 0.0, seed: int = 0,
+             *, out=None, overwrite: bool = False, options: ValidationOptions | None = None,
+             setup: Setup | None = None, device: str = "cpu", progress: bool = True, **batch) -> ValidationResult:
+    """Train from the calibration point and score the run's ranking against realized movement.
+
+    ``batch``: ``TrainSettings`` fields (prompts_per_step, samples_per_prompt, max_new_tokens,
+    batch_size; max_new_tokens defaults to the run's). ``setup``: the model, tokenizer, objective and
+    prompts (default: loaded from the run's report). ``out``: the output directory (default
+    ``RUN/validation-<optimizer>-seed<seed>``; nothing is written when the run has no directory).
+    """
+    run = load_run(run)
+    options = options or ValidationOptions()
+    batch.setdefault("max_new_tokens", run.report.max_new_tokens or 32)
+    settings = TrainSettings(steps, optimizer, lr, weight_decay, seed, **batch)
+    problems = settings.problems() + _option_problems(options)
+    if problems:
+        raise FisherSelectError("invalid validation settings: " + "; ".join(problems))
+    if out is None and run.path is not None:
+        out = run.path / f"validation-{optimizer}-seed{seed}"
+    if out is not None:
+        check_dir_target(Path(out), overwrite)  # refuse before minutes of training
+    setup = setup or load_setup(run, device, options.eval_prompts)
+    result = _Validation(run, setup, settings, options, progress).measure()
+    if out is not None:
+        result.out = write_validation(Path(out), result, overwrite)
+    return result
+
+
+def _option_problems(o: ValidationOptions) -> list[str]:
+    out = []
+    if o.subsample is not None and o.subsample < 100:
+        out.append(f"subsample must be at least 100 coordinates, got {o.subsample}")
+    if o.first_step_prompts is not None and o.first_step_prompts < 2:
+        out.append("first_step_prompts must be at least 2 (the batch is split in two halves)")
+    out += [f"mask density {d} is not in (0, 1)" for d in o.mask_densities if not 0 < d < 1]
+    return out
+
+
+def load_setup(run: Run, device: str, eval_prompts: int) -> Setup:
+    """The run's model in fp32, its primary objective and prompts, from report.json."""
+    report = run.report
+    if report.config is None:
+        raise FisherSelectError(f"run {run.run_id} records no recipe (report.json: config); pass setup= to validate")
+    if report.model.quantization:
+        raise FisherSelectError(f"run {run.run_id} was calibrated on a {report.model.quantization}-quantized model; "
+                                "validate trains fp32 master weights: calibrate the unquantized model to validate")
+    recipe = parse_recipe(report.config, f"(the recipe recorded in run {run.run_id})")
+    objective = build_objectives(recipe)[0]  # the primary objective: the one the run's ranking is for
+    model, tokenizer, _ = load_model(report.model.path or report.model.name, device, "float32")
+    check_fingerprint(run.fingerprint, model, f"run {run.run_id}")
+    every = load_prompts(recipe.prompts)
+    n = recipe.num_prompts or len(every)
+    held = every[n : n + eval_prompts]
+    return Setup(model, tokenizer, objective, every[:n], held or every[:n], bool(held), device)
+
+
+class _Validation:
+    """One validation: the snapshot, the subsample, the task, and the runs' reduced results."""
+
+    def __init__(self, run: Run, setup: Setup, settings: TrainSettings, options: ValidationOptions, progress: bool):
+        self.run, self.setup, self.settings, self.options, self.progress = run, setup, settings, options, progress
+        self.model = setup.model
+        self.ctx = Context(setup.model, setup.tokenizer, setup.device)
+        self.task = make_task(setup.objective, self.ctx, setup.prompts, settings.samples_per_prompt,
+                              settings.max_new_tokens)
+        self.fisher = run.fisher_for(None)
+        self.theta0 = snapshot(self.model)
+        missing = set(self.theta0) ^ set(self.fisher)
+        if missing:
+            raise FisherSelectError(f"run {run.run_id} and the model disagree on parameters (e.g. "
+                                    f"{sorted(missing)[0]}); load the model the run was computed for")
+        self.sub = Subsample({n: tuple(t.shape) for n, t in self.theta0.items()}, options.subsample, settings.seed)
+        self.logs: dict[str, list[dict]] = {}
+        self.realized: Realized | None = None  # the main run's moved sets (set when the report is assembled)
+
+    def measure(self) -> ValidationResult:
+        started = time.time()
+        before = self.task.evaluate(self.setup.eval_prompts, self.settings.seed + EVAL_STREAM, self.settings.batch_size)
+        first, adam, first_rows = self._first_step()
+        single = self._single_batch()
+        main = self._train(self.settings.seed, "training")
+        second = self._train(self.settings.seed + 1, "second seed") if self.options.second_seed else None
+        masked = [self._masked(d, before, main["after"]) for d in self.options.mask_densities]
+        restore(self.model, self.theta0)
+        report, figures = self._assemble(main, second, single, adam, first, first_rows, before, masked)
+        if main["summary"]["max"] == 0:
+            report["caveats"].insert(0, "no coordinate moved: the training signal was zero on every step (e.g. "
+                                        "all rewards of each prompt equal); the metrics are undefined")
+        report["elapsed_s"] = time.time() - started
+        return ValidationResult(report, figures)
+
+    # -- measurements ---------------------------------------------------------------------------
+
+    def _first_step(self):
+        """One SGD step on a large fresh batch (two halves): the first-step check and the Adam-aware ranking."""
+        s = self.settings
+        count = self.options.first_step_prompts or 2 * s.prompts_per_step
+        batch = self.task.batch(count, Streams.from_seed(s.seed + FIRST_STEP_STREAM, self.setup.device))
+        half = len(batch.groups) // 2
+        parts = [batch.part(list(range(half))), batch.part(list(range(half, len(batch.groups))))]
+        grads, sizes = [], []
+        for part in parts:
+            self.model.zero_grad(set_to_none=True)
+            backward(self.model, part, self.task.pad, s.batch_size)
+            grads.append(gradients(self.model))
+            sizes.append(len(part.rows))
+        n1, n2 = sizes
+        # the whole batch's mean gradient; its noise: (g1 - g2) sqrt(n1 n2)/(n1 + n2) has its variance
+        noise = {k: (grads[0][k] - grads[1][k]).abs() * (math.sqrt(n1 * n2) / (n1 + n2)) for k in grads[0]}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.grad = ((n1 * grads[0][name] + n2 * grads[1][name]) / (n1 + n2)).to(p.device, p.dtype)
+        del grads
+        torch.optim.SGD([p for p in self.model.parameters() if p.grad is not None], lr=s.lr).step()
+        delta = movement(self.model, self.theta0)
+        restore(self.model, self.theta0)
+        first = self._first_step_result(delta, noise)
+        del delta, noise
+        adam = self._adam_aware(batch) if self.options.adam_aware else None
+        return first, adam, n1 + n2
+
+    def _scale(self) -> tuple[float | None, str]:
+        """The run's S when it belongs to the trained objective (else None) and why not."""
+        entry, trained = self.run.objective(None), self.setup.objective
+        if entry.type != trained.kind:
+            return None, (f"the run's signal scale belongs to its {entry.type!r} objective, not to the trained "
+                          f"{trained.kind!r} objective: no absolute bound")
+        scale = entry.signal_scale
+        if scale is None or not math.isfinite(scale):
+            return None, f"the objective's signal scale S is {'unknown' if scale is None else 'infinite'}: no absolute bound"
+        return scale, ""
+
+    def _first_step_result(self, delta, noise) -> dict:
+        scale, why = self._scale()
+        if scale is None:
+            return {"violation_rate": None, "reason": why}
+        bound = coordinate_bound(self.fisher, scale)
+        out = first_step_check(delta, noise, bound, self.theta0, self.settings.lr)
+        b, nz = self.sub.take(bound), self.sub.take(noise)
+        seen = b > 0
+        out["noise_to_bound_median"] = float((nz[seen] / b[seen]).median()) if seen.any() else None
+        out["signal_scale"] = scale
+        return out
+
+    def _adam_aware(self, batch) -> Reduced:
+        """|m| / sqrt(m^2 + Var/B): the signal-to-noise of a B-row minibatch gradient, per coordinate.
+
+        m and the per-row second moment come from the engine's exact per-sample sums on the first-step
+        batch (rows weighted by their signal, so per-row gradients are a_n h_n). Adam steps a coordinate
+        by about lr * E[g_B] / sqrt(E[g_B^2]); ``E[g_B^2] = m^2 + Var/B`` (finite-population corrected
+        for demonstrations drawn without replacement). Beyond the seed's bound: a measured heuristic.
+        """
+        cov, sums = plan_coverage(self.model), None
+        for i in range(0, len(batch.rows), self.settings.batch_size):
+            rows = batch.rows[i : i + self.settings.batch_size]
+            ids, mask, resp = pad_rows(rows, self.task.pad, self.setup.device)  # (B, T)
+            tw = None if batch.weights is None else token_weights(
+                rows, batch.weights[i : i + self.settings.batch_size], ids.shape[1], self.setup.device)
+            sums = score_sums(self.model, ids, mask, resp, token_weights=tw, coverage=cov, into=sums)
+        n, rows = sums.count, self.task.step_rows(self.settings.prompts_per_step)
+        pop = self.task.population
+        fpc = 1.0 if pop is None else (max(pop - rows, 0) / max(pop - 1, 1))
+
+        def snr(name):
+            m = sums.total[name] / n
+            var = (sums.squares[name] / n - m.square()).clamp_min(0)
+            denom = (m.square() + fpc * var / rows).sqrt()
+            return torch.where(denom > 0, m.abs() / torch.where(denom > 0, denom, 1.0), 0.0)
+
+        return reduce({name: snr(name) for name in sums.total}, self.sub)
+
+    def _single_batch(self) -> Reduced:
+        """|gradient| of one training-size batch at the start, drawn from its own stream."""
+        s = self.settings
+        batch = self.task.batch(s.prompts_per_step, Streams.from_seed(s.seed + SINGLE_BATCH_STREAM, self.setup.device))
+        self.model.zero_grad(set_to_none=True)
+        backward(self.model, batch, self.task.pad, s.batch_size)
+        out = reduce(gradients(self.model), self.sub, torch.abs)
+        self.model.zero_grad(set_to_none=True)
+        return out
+
+    def _train(self, seed: int, label: str, masks: dict | None = None) -> dict:
+        """One training run from theta_0; its log, held-out outcome and reduced movement."""
+        restore(self.model, self.theta0)
+        settings = dataclasses.replace(self.settings, seed=seed)
+        log = train(self.model, self.task, settings, masks=masks, progress=self.progress, desc=label)
+        self.logs[label] = log
+        after = self.task.evaluate(self.setup.eval_prompts, self.settings.seed + EVAL_STREAM, settings.batch_size)
+        delta = movement(self.model, self.theta0)
+        moved = sum(int((d > 0).sum()) for d in delta.values()) / self.sub.total
+        size = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
+        reduced = reduce(delta, self.sub)
+        del delta
+        restore(self.model, self.theta0)
+        return {"seed": seed, "log": log, "after": after, "moved": reduced,
+                "summary": {"share_moved": moved, "l2_norm": size, "max": float(reduced.sub.max())}}
+
+    def _masked(self, density: float, before: float, full_after: float) -> dict:
+        """Masked fine-tuning at one density with the fisher, random and magnitude masks."""
+        gen = torch.Generator().manual_seed(self.settings.seed + MASK_STREAM)
+        scores = {"fisher": self.fisher, "magnitude": {n: t.abs() for n, t in self.theta0.items()},
+                  "random": {n: torch.rand(t.shape, generator=gen) for n, t in self.theta0.items()}}
+        out = {"density": density, "full_fine_tuning": full_after, "before": before}
+        for rule, values in scores.items():
+            run = self._train(self.settings.seed, f"mask {rule} {density:g}", global_top_masks(values, density))
+            gain, full_gain = run["after"] - before, full_after - before
+            out[rule] = {"after": run["after"], "recovered": gain / full_gain if full_gain != 0 else None}
+        return out
+
+    # -- metrics and the report -----------------------------------------------------------------
+
+    def _assemble(self, main, second, single, adam, first, first_rows, before, masked):
+        seed = self.settings.seed + METRIC_STREAM
+        moved = main["moved"]
+        fisher = reduce(self.fisher, self.sub)
+        root = reduce(self.fisher, self.sub, lambda f: f.clamp_min(0).sqrt())
+        modules = sorted(moved.modules)
+        target = [moved.modules[m] for m in modules]
+        self.realized = Realized(moved.sub, CURVE_FRACTIONS, seed)  # the moved sets, once for every ranking
+        metrics, curve = ranking_metrics(fisher.sub, self.realized, seed + 1, CURVE_FRACTIONS)
+        rho_root = spearman([root.modules[m] for m in modules], target)
+        rho_mass = spearman([fisher.modules[m] for m in modules], target)
+        chosen = "sum_sqrt_fisher" if (rho_root or -2) >= (rho_mass or -2) else "sum_fisher"
+        curves = {"fisher": curve}
+        base = self._baselines(moved, modules, target, single, second, seed, curves)
+        report = {
+            "run_id": self.run.run_id, "model": self.run.report.model.name,
+            "objective": {"name": self.setup.objective.name, "type": self.setup.objective.kind},
+            "settings": {**dataclasses.asdict(self.settings), **dataclasses.asdict(self.options),
+                         "first_step_rows": first_rows},
+            "training": {"estimator": self.task.description, "weights": "fp32 master weights, eval mode (no dropout)",
+                         "movement": "|theta_T - theta_0| per coordinate in fp32 after all steps",
+                         "moved": "AUROC: above the q-quantile of realized movement; precision/recall@k: against "
+                                  "the realized top 1%; jaccard@k: predicted vs realized top-k"},
+            "subsample": self.sub.describe(self.settings.seed),
+            "ranking": "the run's F (fisher.safetensors; for one objective the bound sqrt(F S) ranks identically)",
+            **metrics,
+            "spearman_modules": {"sum_sqrt_fisher": rho_root, "sum_fisher": rho_mass, "chosen": chosen,
+                                 "modules": len(modules),
+                                 "meaning": "Spearman over modules of the aggregate against module movement "
+                                            "(sum of |delta| over the module's coordinates)"},
+            "module_table": [{"module": m, "sum_fisher": fisher.modules[m], "sum_sqrt_fisher": root.modules[m],
+                              "movement": moved.modules[m]} for m in modules],
+            "first_step_violation_rate": first.get("violation_rate"), "first_step": first,
+            "training_outcome": self._outcome(main, second, before, masked),
+            "baselines": base,
+            "adam_aware": self._adam_entry(adam, moved, modules, target, seed, curves),
+            "movement_summary": {"main": main["summary"], "second_seed": second["summary"] if second else None},
+            "caveats": self._caveats(),
+        }
+        scale, _ = self._scale()
+        bound_sub = coordinate_bound({"x": fisher.sub}, scale)["x"]
+        scale_known = scale is not None
+        figures = {"bound": bound_sub, "moved": moved.sub, "curves": curves, "logs": dict(self.logs),
+                   "bound_label": "bound sqrt(F S)" if scale_known else "sqrt(F) (S unknown)",
+                   "outcome_label": self.task.outcome_name}
+        return report, figures
+
+    def _entry(self, scores: torch.Tensor, module_scores: dict, moved: Reduced, modules, target, seed, how: str,
+               curves: dict, label: str) -> dict:
+        metrics, curves[label] = ranking_metrics(scores, self.realized, seed + 1, CURVE_FRACTIONS)
+        return {"how": how, **metrics, "spearman_modules": spearman([module_scores.get(m, 0.0) for m in modules],
+                                                                     target)}
+
+    def _baselines(self, moved, modules, target, single, second, seed, curves) -> dict:
+        names, sub = self.sub.names, self.sub
+        numel: dict[str, float] = {}
+        for n, t in self.theta0.items():
+            numel[module_of(n)] = numel.get(module_of(n), 0.0) + t.numel()
+        out = {"random": self._entry(baselines.random_scores(sub.size, seed), numel, moved, modules, target,
+                                     seed, "uniform random scores (a random mask of the same density); module "
+                                           "aggregate: module size", curves, "random")}
+        mag = reduce(self.theta0, sub, torch.abs)
+        out["magnitude"] = self._entry(mag.sub, mag.modules, moved, modules, target, seed,
+                                       "|theta| at the start; module aggregate: sum of |theta|", curves, "magnitude")
+        out["single_batch_gradient"] = self._entry(
+            single.sub, single.modules, moved, modules, target, seed,
+            "|gradient| of one training-size batch at the start (its own samples); module aggregate: sum", curves,
+            "single-batch |grad|")
+        out["spectrum_snr"] = self._spectrum(names, moved, modules, target, seed, curves)
+        out["kappa"] = self._kappa(names, moved, modules, target, seed, curves)
+        if second is not None:
+            out["second_seed"] = self._entry(second["moved"].sub, second["moved"].modules, moved, modules, target,
+                                             seed, f"realized |delta| of a second run with seed {second['seed']} "
+                                                   "(the ceiling: how well one run predicts another)",
+                                             curves, "second seed")
+        else:
+            out["second_seed"] = {"unavailable": "not run (second_seed=False)"}
+        return out
+
+    def _spectrum(self, names, moved, modules, target, seed, curves) -> dict:
+        snr = baselines.spectrum_module_scores(self.model)
+        scores = self.sub.broadcast(baselines.per_parameter(names, snr, -1.0))
+        entry = self._entry(scores, {m: snr.get(m, -1.0) for m in modules}, moved, modules, target, seed,
+                            f"Spectrum's weight SNR per module ({baselines.SPECTRUM_SOURCE}); modules without a "
+                            "weight score -1; coordinates get their module's score", curves, "spectrum SNR")
+        scored = [m for m in modules if m in snr]
+        entry["spearman_modules_scored"] = spearman([snr[m] for m in scored], [moved.modules[m] for m in scored])
+        chosen = baselines.spectrum_selection(snr)
+        selected = self.sub.broadcast([float(module_of(n) in chosen) for n in names]) > 0
+        entry["selection"] = {"rule": "top 50% per type + lm_head + embed_tokens", "modules": len(chosen),
+                              **selection_metrics(selected, self.realized)}
+        return entry
+
+    def _kappa(self, names, moved, modules, target, seed, curves) -> dict:
+        scores, targets, how = baselines.kappa_module_scores(self.model)
+        if scores is None:
+            return {"unavailable": how}
+        coords = self.sub.broadcast(baselines.per_parameter(names, scores, 0.0))
+        entry = self._entry(coords, scores, moved, modules, target, seed,
+                            f"KappaTune: lowest condition number first ({how}); modules it does not analyse "
+                            "score 0", curves, "kappa")
+        scored = [m for m in modules if m in scores]
+        entry["spearman_modules_scored"] = spearman([scores[m] for m in scored], [moved.modules[m] for m in scored])
+        selected = self.sub.broadcast([float(module_of(n) in targets) for n in names]) > 0
+        entry["selection"] = {"rule": f"find_kappa_target_modules(top_p={baselines.KAPPA_TOP_P})",
+                              "modules": len(targets), **selection_metrics(selected, self.realized)}
+        return entry
+
+    def _adam_entry(self, adam, moved, modules, target, seed, curves) -> dict:
+        if adam is None:
+            return {"status": "not computed (adam_aware=False)"}
+        entry = self._entry(adam.sub, adam.modules, moved, modules, target, seed,
+                            "BEYOND THE SEED'S BOUND: per-coordinate signal-to-noise |m|/sqrt(m^2 + Var/B) of a "
+                            "training-size minibatch gradient, from exact per-row sums on the first-step batch "
+                            "(rows weighted by their signal); a heuristic for Adam, measured here",
+                            curves, "adam-aware SNR")
+        entry["label"] = "beyond the seed's bound: ship only as far as it measurably predicts"
+        return entry
+
+    def _outcome(self, main, second, before, masked) -> dict:
+        runs = {"main": {"seed": main["seed"], "per_step": main["log"], "held_out_after": main["after"]}}
+        if second is not None:
+            runs["second_seed"] = {"seed": second["seed"], "per_step": second["log"], "held_out_after": second["after"]}
+        return {"per_step_metric": f"{self.task.outcome_name}, on each step's own batch (before its update)",
+                "held_out_metric": f"{self.task.outcome_name}, on the held-out prompts (on-policy: K samples each, fixed seed)",
+                "held_out_prompts": len(self.setup.eval_prompts), "held_out_disjoint": self.setup.eval_disjoint,
+                "held_out_before": before, "runs": runs, "masked_fine_tuning": masked or None}
+
+    def _caveats(self) -> list[str]:
+        out = ["The bound is for the expected gradient at the calibration point, one step; realized movement "
+               "over several steps also reflects sampling noise and the parameters' drift."]
+        if self.settings.optimizer == "adamw":
+            out.append("AdamW divides by a running RMS: over a few steps almost every coordinate with a nonzero "
+                       "gradient moves by about lr, so a ranking by F or |g| is not expected to predict its "
+                       "movement (see auroc); the Adam-aware ranking is the measured alternative.")
+        if self.settings.weight_decay > 0:
+            out.append(f"weight decay {self.settings.weight_decay} moves every coordinate by about lr*wd*|theta|, "
+                       "independently of its gradient.")
+        if len(self.run.objectives) > 1:
+            out.append(f"trained on the primary objective {self.setup.objective.name!r} only; the run has "
+                       f"{len(self.run.objectives)} objectives")
+        if not self.setup.eval_disjoint:
+            out.append("no prompt was left after the calibration's: the held-out outcome reuses the training prompts")
+        return out
+
+
+def global_top_masks(scores: dict[str, torch.Tensor], density: float) -> dict[str, torch.Tensor]:
+    """Bool masks of the top ``density`` share of all coordinates by score (exact count, ties to lower index)."""
+    names = list(scores)
+    flat = torch.cat([scores[n].detach().float().reshape(-1).cpu() for n in names])  # (N,)
+    mask = top_k_mask(flat, top_count(density, flat.numel()))
+    out, start = {}, 0
+    for n in names:
+        size = scores[n].numel()
+        out[n] = mask[start : start + size].reshape(scores[n].shape)
+        start += size
+    return out
+
+
+def write_validation(out: Path, result: ValidationResult, overwrite: bool) -> Path:
+    """validation.json and the plots, as one directory written atomically."""
+
+    def writer(tmp: Path) -> None:
+        fig = result.figures
+        plots.bound_vs_movement(tmp / "bound_vs_movement.png", fig["bound"], fig["moved"], fig["bound_label"], 0)
+        plots.overlap_curves(tmp / "precision_at_k.png", list(CURVE_FRACTIONS), fig["curves"])
+        plots.objective_curves(tmp / "objective_per_step.png", fig["logs"], fig["outcome_label"])
+        (tmp / JSON_FILE).write_text(json.dumps(result.report, indent=2, default=_json_default) + "\n")
+
+    return write_dir(out, writer, overwrite=overwrite)
+
+
+def _json_default(obj):
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The CLI's table: each ranking's AUROC (q = 0.99), precision@1% and module Spearman."""
+    rows = [("fisher (F / bound)", report)] + [(k, v) for k, v in report["baselines"].items()]
+    if "auroc" in report.get("adam_aware", {}):
+        rows.append(("adam-aware SNR (beyond the bound)", report["adam_aware"]))
+    lines = [f"{'ranking':<34} {'AUROC@q0.99':>11} {'AUROC@q0.9':>10} {'prec@1%':>8} {'module rho':>10}"]
+    for label, e in rows:
+        if "auroc" not in e:
+            lines.append(f"{label:<34} unavailable: {e.get('unavailable', '')}")
+            continue
+        rho = e["spearman_modules"]
+        rho = rho["sum_sqrt_fisher"] if isinstance(rho, dict) else rho
+        lines.append(f"{label:<34} {_fmt(e['auroc']['q0.99']):>11} {_fmt(e['auroc']['q0.9']):>10} "
+                     f"{_fmt(e['precision_at_k'][str(TOP_K[1])]):>8} {_fmt(rho):>10}")
+    sm = report["spearman_modules"]
+    lines.append(f"module aggregates vs module movement: sum sqrt(F) rho = {_fmt(sm['sum_sqrt_fisher'])}, "
+                 f"sum F rho = {_fmt(sm['sum_fisher'])} (chosen: {sm['chosen']})")
+    fs = report["first_step"]
+    if fs.get("violation_rate") is None:
+        lines.append(f"first-step check: not applicable ({fs.get('reason')})")
+    else:
+        lines.append(f"first-step check: {fs['violation_rate']:.2e} of coordinates above the bound "
+                     f"({fs['violation_rate_beyond_rounding']:.2e} beyond fp32 rounding); noise alone: "
+                     f"{fs['noise_violation_rate']:.2e}")
+    return lines
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

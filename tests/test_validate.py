@@ -1,0 +1,309 @@
+"""Validation against real training (`fisher-select validate`): metrics on hand-checked examples,
+Spectrum's SNR against a hand-computed SVD, the training loop's gradient against the brute-force
+per-sample reference, the first-step check on an exactly enumerated model, and small end-to-end runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.objectives import RLObjective, SFTDemonstrationsObjective
+from fisher_select.calibration.objectives.base import Context
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.engine.reference import brute_force_sums
+from fisher_select.errors import FisherSelectError
+from fisher_select.training import baselines
+from fisher_select.training.loop import Streams, backward, make_task, pad_rows
+from fisher_select.training.metrics import Realized, Subsample, auroc, first_step_check, ranking_metrics
+from fisher_select.training.movement import movement, snapshot
+from fisher_select.training.validate import Setup, ValidationOptions, global_top_masks, validate
+from tests import enumeration as en
+from tests.runs import make_run
+from tests.tiny import TinyTokenizer, tiny_model
+
+# ---------------------------------------------------------------------------
+# Metrics on hand-checked examples
+
+
+def test_auroc_counts_pairs_and_half_ties():
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    moved = torch.tensor([True, False, True, False, False, False])
+    assert auroc(scores, moved) == pytest.approx(7 / 8)  # 0.9 beats 4 negatives, 0.7 beats 3 of them
+    assert auroc(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([True, False, False])) == pytest.approx(0.75)
+    assert auroc(scores, torch.zeros(6, dtype=torch.bool)) is None
+
+
+def test_precision_recall_jaccard_at_k_on_a_hand_built_ranking():
+    """Movement 0..999 (moved = top 1% = 990..999). The ranking puts 995..999 first, then five
+    unmoved coordinates 0..4 (tied), then the rest in movement order."""
+    move = torch.arange(1000, dtype=torch.float32)
+    score = move / 1000
+    score[995:] = 2 + torch.arange(5.0)
+    score[:5] = 1.5
+    m, curve = ranking_metrics(score, Realized(move, (0.01, 0.5), seed=0), seed=1, fractions=(0.01, 0.5))
+    assert m["precision_at_k"] == pytest.approx({"0.001": 1.0, "0.01": 0.5, "0.1": 0.1})
+    assert m["recall_at_k"] == pytest.approx({"0.001": 0.1, "0.01": 0.5, "0.1": 1.0})
+    assert m["jaccard_at_k"] == pytest.approx({"0.001": 1.0, "0.01": 5 / 15, "0.1": 95 / 105})
+    # q = 0.99: 995..999 beat all 990 unmoved; 990..994 lose only to the five 1.5s
+    assert m["auroc"]["q0.99"] == pytest.approx((5 * 990 + 5 * 985) / (10 * 990))
+    assert curve == pytest.approx([0.5, 495 / 500])  # top 500 by score: 0..4 are outside the realized top 500
+
+
+def test_subsample_is_distinct_seeded_and_takes_the_right_values():
+    shapes = {"a": (3, 4), "b": (5,), "c": (2, 2)}
+    tensors = {n: torch.randn(s) for n, s in shapes.items()}
+    every = torch.cat([t.reshape(-1) for t in tensors.values()])
+    sub = Subsample(shapes, 9, seed=3)
+    assert sub.size == 9 and sub.total == 21 and len(set(sub.flat.tolist())) == 9
+    assert torch.equal(sub.take(tensors), every[sub.flat])
+    assert torch.equal(Subsample(shapes, 9, seed=3).flat, sub.flat)
+    assert torch.equal(Subsample(shapes, None, seed=0).take(tensors), every)
+    assert sub.broadcast([1.0, 2.0, 3.0]).tolist() == [[1.0, 2.0, 3.0][int(j)] for j in sub.param_of]
+
+
+def test_global_top_masks_count_exactly_across_tensors():
+    scores = {"a": torch.tensor([[5.0, 0.0], [3.0, 1.0]]), "b": torch.tensor([4.0, 2.0, 6.0])}
+    masks = global_top_masks(scores, 3 / 7)
+    assert masks["a"].tolist() == [[True, False], [False, False]] and masks["b"].tolist() == [True, False, True]
+
+
+# ---------------------------------------------------------------------------
+# Spectrum's SNR, by hand
+
+
+def test_spectrum_snr_matches_a_hand_computed_svd():
+    """W (5 x 8) with singular values 10, 3, 1, 0.5, 0.2: quartiles 0.5 and 3 (linear interpolation),
+    sigma = 2.5 / 1.349, MP threshold sigma (1 + sqrt(5/8)) = 3.318; signal = 10, noise = 4.7."""
+    gen = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(5, 5, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(8, 5, generator=gen, dtype=torch.float64))
+    s = torch.tensor([10.0, 3.0, 1.0, 0.5, 0.2], dtype=torch.float64)
+    w = (u * s) @ v.T  # (5, 8)
+    threshold = 2.5 / 1.349 * (1 + math.sqrt(5 / 8))
+    assert 3 < threshold < 10  # only the largest singular value is signal
+    assert baselines.spectrum_snr(w.float()) == pytest.approx((10 / 4.7) / 10, rel=1e-5)
+    assert baselines.spectrum_snr(w.T.float()) == pytest.approx((10 / 4.7) / 10, rel=1e-5)  # beta = m/n
+    assert baselines.spectrum_snr(torch.tensor([3.0, 4.0])) == pytest.approx(1.0)  # 1-D: one singular value
+
+
+def test_spectrum_selection_takes_half_of_each_type_plus_embeddings_and_head():
+    scores = {"model.embed_tokens": 0.0, "lm_head": 0.0, "model.norm": 1.0,
+              **{f"model.layers.{i}.mlp.up_proj": float(i) for i in range(4)},
+              **{f"model.layers.{i}.self_attn.q_proj": float(-i) for i in range(4)}}
+    chosen = baselines.spectrum_selection(scores)
+    assert chosen == {"model.embed_tokens", "lm_head", "model.layers.2.mlp.up_proj", "model.layers.3.mlp.up_proj",
+                      "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}
+
+
+# ---------------------------------------------------------------------------
+# The training loop's gradient is calibration's estimator, negated
+
+
+def _reward(record, text):
+    return float("3" in text.split())
+
+
+def _prompts(n):
+    return [PromptRecord(i, " ".join(str(2 + (i * 7 + j) % 60) for j in range(4)), None, {}) for i in range(n)]
+
+
+class DemoTokenizer(TinyTokenizer):
+    """TinyTokenizer that accepts add_special_tokens= (demonstration responses are tokenized without them)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return super().__call__(text)
+
+
+def _grads(model):
+    return {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def test_on_policy_loss_gradient_is_minus_the_mean_signal_weighted_score():
+    model, tok = tiny_model("llama-tied"), TinyTokenizer(64)
+    task = make_task(RLObjective(_reward), Context(model, tok), _prompts(3), k=4, max_new_tokens=5)
+    batch = task.batch(3, Streams.from_seed(1, "cpu"))
+    assert len(batch.rows) == 12 and [len(g) for g in batch.groups] == [4, 4, 4]
+    model.zero_grad()
+    backward(model, batch, task.pad, micro=5)  # micro-batches of 5, 5, 2 rows
+    ids, mask, resp = pad_rows(batch.rows, task.pad, "cpu")
+    signal = torch.tensor([float(w[0]) for w in batch.weights])  # a_n: the same on each of a row's tokens
+    assert bool((signal != 0).any())
+    _, weighted, _ = brute_force_sums(model, ids, mask, resp, signal=signal)
+    for name, g in _grads(model).items():
+        want = -weighted[name] / 12
+        assert torch.allclose(g.double(), want, rtol=1e-4, atol=1e-7), name
+
+
+def test_demonstration_loss_gradient_is_minus_the_mean_demonstration_score(tmp_path):
+    model, tok, prompts = tiny_model("llama-tied"), DemoTokenizer(64), _prompts(3)
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": p.prompt, "response": f"{5 + i} 7"}) + "\n"
+                             for i, p in enumerate(prompts)))
+    task = make_task(SFTDemonstrationsObjective(demos), Context(model, tok), prompts, k=2, max_new_tokens=5)
+    batch = task.batch(2, Streams.from_seed(0, "cpu"))  # min(3 rows, 2 x 2)
+    assert len(batch.rows) == 3 and batch.weights is None
+    model.zero_grad()
+    backward(model, batch, task.pad, micro=2)
+    _, _, total = brute_force_sums(model, *pad_rows(batch.rows, task.pad, "cpu"))
+    for name, g in _grads(model).items():
+        assert torch.allclose(g.double(), -total[name] / 3, rtol=1e-4, atol=1e-7), name
+
+
+# ---------------------------------------------------------------------------
+# The first-step check with the exact gradient (exact enumeration)
+
+
+def _enumeration_reward(response):
+    return 1.0 if 3 in response else (0.5 if response[:1] == [2] else 0.0)
+
+
+def _exact_rl():
+    """(P,) exact g = E_x E_y[(r - rbar) h] and S = E_x Var(r|x) over every response."""
+    g, terms = 0.0, []
+    for rows in en.student_outcomes():
+        rbar = sum(o.prob * _enumeration_reward(o.response) for o in rows)
+        terms.append(sum(o.prob * (_enumeration_reward(o.response) - rbar) ** 2 for o in rows))
+        g = g + sum(o.prob * (_enumeration_reward(o.response) - rbar) * o.h for o in rows) / len(en.PROMPTS)
+    return g, sum(terms) / len(terms)
+
+
+def _unflatten(vector, model):
+    out, start = {}, 0
+    for name, p in model.named_parameters():
+        out[name] = vector[start : start + p.numel()].reshape(p.shape).float()
+        start += p.numel()
+    return out
+
+
+def test_first_step_with_the_exact_gradient_never_exceeds_the_exact_bound():
+    model = en.student()
+    g, scale = _exact_rl()
+    bound = _unflatten((en.exact_fisher() * scale).sqrt(), model)
+    grad = _unflatten(g, model)
+    start = snapshot(model)
+    lr = 1e-2
+    for name, p in model.named_parameters():
+        p.grad = -grad[name]  # the loss's gradient: SGD then moves by +lr g (ascent)
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    delta = movement(model, start)
+    assert max(float((delta[n] / lr - grad[n].abs()).abs().max()) for n in delta) < 1e-4  # |delta|/lr = |g|
+    zeros = {n: torch.zeros_like(d) for n, d in delta.items()}
+    check = first_step_check(delta, zeros, bound, start, lr)
+    assert check["violation_rate"] == 0 and check["noise_violation_rate"] == 0
+    assert 0.1 < check["max_ratio_to_bound"] <= 1 + 1e-4  # the bound holds, and is not vacuous
+    # With half the bound, exactly the coordinates with |g| > bound / 2 are flagged (away from the edge).
+    half = {n: b / 2 for n, b in bound.items()}
+    flagged = first_step_check(delta, zeros, half, start, lr)["violation_rate"] * g.numel()
+    ratio = torch.cat([(grad[n].abs() / half[n].clamp_min(1e-30)).reshape(-1) for n in grad])
+    assert int((ratio > 1.001).sum()) <= flagged <= int((ratio > 0.999).sum())
+    assert flagged > 0
+
+
+# ---------------------------------------------------------------------------
+# End to end on tiny models
+
+
+@pytest.fixture(scope="module")
+def rl_setup():
+    model, tok, prompts = tiny_model("llama-tied"), TinyTokenizer(64), _prompts(6)
+    objective = RLObjective(_reward)
+    cal = calibrate(model, tok, prompts[:4], objective, samples_per_prompt=8, max_new_tokens=5, seed=0,
+                    progress=False)
+    run = make_run(cal.fisher, objectives=[{"name": "rl", "signal_scale": cal.signal_scale}])
+    return run, Setup(model, tok, objective, prompts[:4], prompts[4:], True)
+
+
+SMALL = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=5, progress=False)
+
+
+def test_validate_end_to_end_writes_json_and_plots_and_restores_the_model(rl_setup, tmp_path):
+    run, setup = rl_setup
+    before = snapshot(setup.model)
+    out = tmp_path / "val"
+    result = validate(run, 2, "sgd", 0.05, seed=0, setup=setup, out=out,
+                      options=ValidationOptions(subsample=3000, mask_densities=(0.1,)), **SMALL)
+    assert {p.name for p in out.iterdir()} == {"validation.json", "bound_vs_movement.png", "precision_at_k.png",
+                                               "objective_per_step.png"}
+    report = json.loads((out / "validation.json").read_text())
+    for key in ("auroc", "precision_at_k", "recall_at_k", "spearman_modules", "jaccard_at_k",
+                "first_step_violation_rate", "training_outcome", "baselines", "adam_aware"):
+        assert key in report, key
+    assert set(report["baselines"]) == {"random", "magnitude", "single_batch_gradient", "spectrum_snr", "kappa",
+                                        "second_seed"}
+    for entry in [report, report["adam_aware"], *report["baselines"].values()]:
+        assert all(v is None or 0 <= v <= 1 for v in entry["auroc"].values())
+        assert all(0 <= v <= 1 for v in entry["precision_at_k"].values())
+    assert report["subsample"]["coordinates"] == 3000 and report["subsample"]["of"] == run_numel(run)
+    assert {"sum_sqrt_fisher", "sum_fisher", "chosen"} <= set(report["spearman_modules"])
+    assert 0 <= report["first_step_violation_rate"] <= 1
+    assert len(report["training_outcome"]["runs"]["main"]["per_step"]) == 2
+    masked = report["training_outcome"]["masked_fine_tuning"][0]
+    assert masked["density"] == 0.1 and {"fisher", "random", "magnitude"} <= set(masked)
+    assert report["movement_summary"]["main"]["l2_norm"] > 0
+    after = snapshot(setup.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # validate leaves the model as it found it
+    assert result.report["run_id"] == run.run_id
+    with pytest.raises(FisherSelectError, match="already"):  # refused before any training
+        validate(run, 2, "sgd", 0.05, setup=setup, out=out, **SMALL)
+
+
+def run_numel(run):
+    return sum(f.numel() for f in run.fisher.values())
+
+
+def test_same_seed_reproduces_the_validation(rl_setup):
+    run, setup = rl_setup
+    opts = ValidationOptions(subsample=2000, second_seed=False, adam_aware=False)
+    a = validate(run, 1, "adamw", 1e-3, weight_decay=0.1, seed=3, setup=setup, options=opts, **SMALL).report
+    b = validate(run, 1, "adamw", 1e-3, weight_decay=0.1, seed=3, setup=setup, options=opts, **SMALL).report
+    assert a["auroc"] == b["auroc"] and a["training_outcome"]["runs"] == b["training_outcome"]["runs"]
+    assert any("AdamW" in c for c in a["caveats"]) and any("weight decay" in c for c in a["caveats"])
+
+
+def test_validate_sft_from_demonstrations_end_to_end(tmp_path):
+    model, tok, prompts = tiny_model("llama-untied"), DemoTokenizer(64), _prompts(5)
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": p.prompt, "response": f"{5 + i} 7"}) + "\n"
+                             for i, p in enumerate(prompts)))
+    objective = SFTDemonstrationsObjective(demos)
+    cal = calibrate(model, tok, prompts[:3], objective, samples_per_prompt=4, max_new_tokens=4, progress=False)
+    run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}])
+    setup = Setup(model, tok, SFTDemonstrationsObjective(demos), prompts[:3], prompts[3:], True)
+    report = validate(run, 2, "sgd", 0.1, setup=setup, options=ValidationOptions(subsample=2000), **SMALL).report
+    assert report["first_step_violation_rate"] is None and "unknown" in report["first_step"]["reason"]
+    outcome = report["training_outcome"]
+    assert outcome["held_out_before"] > 0 and "negative log-likelihood" in outcome["held_out_metric"]
+    assert outcome["runs"]["main"]["per_step"][1]["outcome"] < outcome["runs"]["main"]["per_step"][0]["outcome"]
+    assert report["auroc"]["q0.99"] is not None
+    # F is objective-independent, but an RL run's S says nothing about SFT: no absolute bound then
+    rl_run = make_run(cal.fisher, objectives=[{"name": "rl", "signal_scale": 0.5}])
+    opts = ValidationOptions(subsample=2000, second_seed=False, adam_aware=False)
+    other = validate(rl_run, 1, "sgd", 0.1, setup=setup, options=opts, **SMALL).report
+    assert other["first_step_violation_rate"] is None and "belongs to its 'rl'" in other["first_step"]["reason"]
+
+
+def test_cli_validate_on_a_calibrated_run_directory(tmp_path, embedded, capsys):
+    """calibrate then validate through the CLI: the recipe (SFT from demonstrations, so a random model
+    still gets a training signal), model and prompts come from report.json."""
+    from fisher_select.cli import main
+    from tests.tiny import save_small_llama
+
+    save_small_llama(tmp_path / "model", embedded[1], hidden=32, intermediate=64, layers=1)
+    run_dir = tmp_path / "run"
+    assert main(["calibrate", "--recipe", "sft-demonstrations", "--model", str(tmp_path / "model"), "--out", str(run_dir),
+                 "--num-prompts", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(run_dir), "--steps", "1", "--lr", "1e-3", "--prompts-per-step", "2",
+                 "--samples-per-prompt", "2", "--subsample", "5000", "--eval-prompts", "2", "--no-second-seed",
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "fisher (F / bound)" in printed and "spectrum_snr" in printed
+    report = json.loads((run_dir / "validation-sgd-seed0" / "validation.json").read_text())
+    assert report["settings"]["max_new_tokens"] == 4 and report["training_outcome"]["held_out_disjoint"]
+    assert report["objective"]["type"] == "sft" and report["first_step_violation_rate"] is None
+    assert np.isfinite(report["auroc"]["q0.9"]) and report["movement_summary"]["main"]["max"] > 0
