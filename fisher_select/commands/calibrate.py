@@ -21,10 +21,10 @@ def register(subparsers) -> None:
     p.add_argument("--all", dest="all_modules", action="store_true",
                    help="list every module in the summary (default: the top 15 by sum of sqrt(F))")
     overrides = add_dataclass_arguments(p.add_argument_group("recipe overrides"), RecipeConfig)
-    p.set_defaults(func=run, overrides=tuple(overrides))
+    p.set_defaults(func=main, overrides=tuple(overrides))
 
 
-def run(args) -> int:
+def main(args) -> int:
     path = find_recipe(args.recipe)
     recipe = load_recipe(path, {name: getattr(args, name) for name in args.overrides})
     result = run_recipe(recipe, args.out, overwrite=args.overwrite, progress=not args.no_progress,

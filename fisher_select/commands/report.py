@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+from fisher_select.commands import add_command
 from fisher_select.report.build import regenerate
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "report", help="regenerate report.json, report.md and report.html of a run directory",
+    add_command(
+        subparsers, "report", main, help="regenerate report.json, report.md and report.html of a run directory",
         description="Recompute the report's statistics from the run's files (F, gradient estimates, S, samples, "
                     "per-prompt scale terms) and redraw the pages; nothing is sampled or scored again. Statistics "
                     "that need the sampling pass (score-mean check, split halves, per-batch spread) are kept "
-                    "as written. Each file is replaced atomically.")
-    p.add_argument("run", help="a run directory (the --out of `fisher-select calibrate`)")
-    p.set_defaults(func=main)
+                    "as written. Each file is replaced atomically.",
+        run_help="a run directory (the --out of `fisher-select calibrate`)")
 
 
 def main(args) -> int:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from fisher_select.commands import add_command
 from fisher_select.training.loop import OPTIMIZERS
 from fisher_select.training.validate import ValidationOptions, summary_lines, validate
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "validate", help="check a run's ranking against a real short fine-tuning (validation.json + plots)",
+    p = add_command(
+        subparsers, "validate", main, help="check a run's ranking against a real short fine-tuning (validation.json + plots)",
         description="Fine-tune for a few steps from the calibration parameters with the run's objective (fp32), "
                     "record the realized movement of every coordinate and score the run's ranking against it "
                     "beside baselines (random, |theta|, one batch's |grad|, Spectrum's SNR, KappaTune, another "
-                    "seed). Writes validation.json and plots to --out (default RUN/validation-OPT-seedS).")
-    p.add_argument("run", help="run directory written by `fisher-select calibrate`")
+                    "seed). Writes validation.json and plots to --out (default RUN/validation-OPT-seedS).",
+        run_help="run directory written by `fisher-select calibrate`")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--lr", type=float, required=True, help="learning rate")
@@ -35,10 +36,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="output directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def main(args) -> int:
     options = ValidationOptions(subsample=args.subsample, second_seed=not args.no_second_seed,
                                 first_step_prompts=args.first_step_prompts, eval_prompts=args.eval_prompts,
                                 mask_densities=tuple(args.mask_densities), adam_aware=not args.no_adam_aware)

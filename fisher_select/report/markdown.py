@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fisher_select.report.statistics import ReportStatistics
-from fisher_select.report.text import (MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
+from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
                                        ranked_modules, scale_text, uncertainty_of)
 from fisher_select.rundir import RunReport
 
@@ -36,12 +36,7 @@ def markdown_text(report: RunReport) -> str:
 
 
 def _objectives(report, stats) -> list[str]:
-    rows = []
-    for o in report.objectives:
-        u = uncertainty_of(stats, o.name)
-        rows.append([o.name, o.type, fmt(o.signal_scale), interval(u.bootstrap_interval) if u else "n/a",
-                     interval(u.t_interval) if u else "n/a", fmt(u.stderr) if u else "n/a",
-                     f"{u.prompts_without_signal} of {u.num_prompts}" if u else "n/a", o.signal])
+    rows = objective_rows(report, stats)
     out = ["", "## Objectives", ""]
     out += _table(["objective", "type", "S", "95% CI (bootstrap)", "95% CI (t)", "stderr", "prompts without signal",
                    "signal"], rows)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fisher_select.report import plots
 from fisher_select.report.statistics import ReportStatistics
-from fisher_select.report.text import (MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
+from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
                                        ranked_modules, uncertainty_of)
 from fisher_select.rundir import RunReport
 
@@ -83,12 +83,7 @@ def _run_section(report: RunReport) -> str:
 
 
 def _objectives_section(report: RunReport, stats: ReportStatistics) -> str:
-    rows = []
-    for o in report.objectives:
-        u = uncertainty_of(stats, o.name)
-        rows.append([o.name, o.type, fmt(o.signal_scale), interval(u.bootstrap_interval) if u else "n/a",
-                     interval(u.t_interval) if u else "n/a", fmt(u.stderr) if u else "n/a",
-                     f"{u.prompts_without_signal} of {u.num_prompts}" if u else "n/a", o.signal])
+    rows = objective_rows(report, stats)
     out = "<h2>Objectives</h2>" + _table(["objective", "type", "S", "95% CI bootstrap (BCa, prompts)", "95% CI (t)",
                                           "stderr", "prompts without signal", "signal a"], rows)
     for s in stats.signals:

@@ -58,6 +58,17 @@ def uncertainty_of(stats: ReportStatistics, name: str) -> ScaleUncertainty | Non
     return next((u for u in stats.uncertainty if u.objective == name), None)
 
 
+def objective_rows(report: RunReport, stats: ReportStatistics) -> list[list[str]]:
+    """Per objective: name, type, S, its bootstrap and t intervals, stderr, prompts without signal, signal."""
+    rows = []
+    for o in report.objectives:
+        u = uncertainty_of(stats, o.name)
+        rows.append([o.name, o.type, fmt(o.signal_scale), interval(u.bootstrap_interval) if u else "n/a",
+                     interval(u.t_interval) if u else "n/a", fmt(u.stderr) if u else "n/a",
+                     f"{u.prompts_without_signal} of {u.num_prompts}" if u else "n/a", o.signal])
+    return rows
+
+
 def run_caveats(report: RunReport, stats: ReportStatistics) -> list[str]:
     """The caveats, made concrete with this run's numbers where they bite."""
     out = []

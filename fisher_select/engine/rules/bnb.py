@@ -15,22 +15,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.engine.rules.base import Rule
-from fisher_select.engine.rules.linear import linear_contributions, linear_weighted_sum
+from fisher_select.engine.rules.linear import LinearRule
 from fisher_select.engine.rules.registry import Lazy, guard_model, register
 
 
 @register(Lazy("bitsandbytes.nn", "Linear8bitLt"))
-class BnbLinearRule(Rule):
-    linear_like = True
-
-    def contributions(self, module, captured, grad_output, block, dtype):
-        yield from linear_contributions(
-            captured, grad_output, module.out_features, module.in_features, module.bias is not None, block, dtype
-        )
-
-    def weighted_sum(self, module, captured, grad_output, weights, dtype):
-        return linear_weighted_sum(captured, grad_output, module.bias is not None, weights, dtype)
+class BnbLinearRule(LinearRule):
+    """The Linear rule's math (dY_n^T X_n is the gradient of the dequantized weight); the Fisher has
+    the dequantized shape."""
 
     def fisher_shape(self, module, name, param):
         # The packed storage has another shape; the Fisher is over the dequantized weight.
