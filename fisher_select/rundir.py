@@ -332,7 +332,7 @@ def compare_runs(a: "str | os.PathLike", b: "str | os.PathLike") -> list[str]:
     a, b = Path(a), Path(b)
     load_run(a), load_run(b)  # both must be runs of this format
     diffs = []
-    files = sorted({p.name for p in a.glob("*.safetensors")} | {p.name for p in b.glob("*.safetensors")})
+    files = sorted(set(_run_tensor_files(a)) | set(_run_tensor_files(b)))  # masks saved beside a run are not part of it
     for name in files:
         if not (a / name).is_file() or not (b / name).is_file():
             diffs.append(f"{name}: only in {a if (a / name).is_file() else b}")
@@ -350,6 +350,11 @@ def compare_runs(a: "str | os.PathLike", b: "str | os.PathLike") -> list[str]:
         if key not in ("run_id", "created") and ra.get(key) != rb.get(key):
             diffs.append(f"{REPORT_FILE}: {key} differs")
     return diffs
+
+
+def _run_tensor_files(path: Path) -> list[str]:
+    names = [FISHER_FILE, BOUNDS_FILE, TOKEN_FISHER_FILE] + [p.name for p in path.glob("grad_estimate*.safetensors")]
+    return [n for n in names if (path / n).is_file()]
 
 
 def _max_difference(x: torch.Tensor, y: torch.Tensor) -> str:

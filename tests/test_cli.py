@@ -226,3 +226,12 @@ def test_bad_flag_value_is_reported_once_with_the_recipe(tmp_path, capsys):
                  "with --batch-size, --dtype: ", "dtype: expected one of float32", "batch_size: must be at least 1")
     assert err.count("rl-arithmetic.yaml") == 1 and "command line" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_verify_ignores_masks_saved_beside_a_run(demo_run, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_run, copy)
+    assert main(["select", str(copy), "--top", "0.01", "--out", str(copy / "extra-mask.safetensors")]) == 0
+    assert main(["verify", str(demo_run), str(copy)]) == 0
