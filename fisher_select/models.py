@@ -336,11 +336,6 @@ def _to_device(model, device: str):
 # Fingerprints: tie masks and hints to the model they were computed on
 
 
-def _logical_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Every parameter's real shape, as the layer rules know it (packed 4-bit weights: (out, in))."""
-    return rules.parameter_shapes(model)
-
-
 def _comparable(values: torch.Tensor) -> torch.Tensor:
     """Stored values on a common footing: floats rounded to bfloat16 (so an fp32 checkpoint and its
     bf16 copy agree exactly), quantized storage (uint8/int8) as stored."""
@@ -373,7 +368,7 @@ def fingerprint(model) -> dict:
     named = list(model.named_parameters())  # tied parameters appear once
     if not named:
         raise FisherSelectError("model has no parameters; cannot fingerprint it")
-    shapes = _logical_shapes(model)
+    shapes = rules.parameter_shapes(model)  # packed 4-bit weights: their (out, in) shape
     lines = sorted(f"{name}:{','.join(map(str, s))}" for name, s in shapes.items())
     params_sha = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     weights, sums = hashlib.sha256(), {}

@@ -43,8 +43,6 @@ from fisher_select.outputs.selection import CAVEAT, top_k_mask
 # nn.Linear and subclasses, bitsandbytes' 4/8-bit layers, Conv1D); a tuple of class names narrows
 # that further (SHiRA: ``("Linear",)``).
 LINEAR_TYPES = None
-DEFAULT_COVERAGE = LoraHintSettings.coverage
-DEFAULT_MEAN_RANK = LoraHintSettings.mean_rank
 # Input embeddings / output heads by name, only for reports that record neither the rules' roles
 # (``coverage["embeddings"]``, written by calibrate) nor come with the model.
 _EMBEDDING_NAME = re.compile(r"(^|\.)(lm_head|embed_out|wte|wpe|[^.]*embed[^.]*)$")
@@ -278,7 +276,7 @@ def lora_hints(
     layers = sorted({int(i) for i in layers_to_transform}) if layers_to_transform is not None else None
     found = _eligible(run, module_types=module_types, model=model, layers=layers, modules=modules)
     if coverage is None and top_n is None:
-        coverage = DEFAULT_COVERAGE
+        coverage = LoraHintSettings.coverage
     targets, covered = _choose(found, coverage, top_n)
     _check_unambiguous(targets, run, model)
     requested = mean_rank * len(targets) if total_rank is None else int(total_rank)
@@ -441,7 +439,7 @@ def shira_config(
     layers = sorted({int(i) for i in layers_to_transform}) if layers_to_transform is not None else None
     found = _eligible(run, module_types=("Linear",), model=model, layers=layers, modules=modules)
     if coverage is None and top_n is None:
-        coverage = DEFAULT_COVERAGE
+        coverage = LoraHintSettings.coverage
     targets, _ = _choose(found, coverage, top_n)
     _check_unambiguous(targets, run, model)
     masks = {t.name: _shira_mask(t, run.fisher[f"{t.name}.weight"], r) for t in targets}
