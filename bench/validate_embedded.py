@@ -18,6 +18,7 @@ takes tens of minutes; ``--device cuda`` on a GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,9 @@ def sft_setup_on(run_dir: Path, args):
 
     The model Fisher F does not depend on the objective (same model, prompts and samples), so an RL
     run's F ranks coordinates for SFT as well; this saves a second calibration on a slow machine.
+    Training uses the demonstrations of the first ``--train-prompts`` prompts (default: the run's
+    calibration prompts; more, so that a step is a minibatch and not every demonstration), the
+    held-out set the ``--eval-prompts`` after them.
     """
     from fisher_select.config import build_objectives
     from fisher_select.calibration.prompts import load_prompts
@@ -60,30 +64,49 @@ def sft_setup_on(run_dir: Path, args):
     recipe = load_recipe(find_recipe(RECIPES["sft"]), {"num_prompts": run.report.num_prompts})
     model, tokenizer, _ = load_model(run.report.model.path, args.device, "float32")
     every = load_prompts(recipe.prompts)
-    n = run.report.num_prompts
+    n = max(run.report.num_prompts, args.train_prompts or 0)
     return Setup(model, tokenizer, build_objectives(recipe)[0], every[:n], every[n : n + args.eval_prompts], True,
                  args.device)
 
 
-def row(label: str, report: dict) -> str:
-    def auc(entry):
-        value = entry.get("auroc", {}).get("q0.99")
-        return "n/a" if value is None else f"{value:.2f}"
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
-    base = report["baselines"]
+
+def row(label: str, report: dict) -> str:
+    """One README table row: AUROC (moved = realized top 1%) of F and every baseline, precision@1%,
+    the module aggregates' Spearman and the first-step check."""
+    def auc(entry):  # "(tied)": every score equal, e.g. a batch without signal: chance by construction
+        return _num(entry.get("auroc", {}).get("q0.99")) + (" (tied)" if entry.get("degenerate") else "")
+
+    base, sm, fs = report["baselines"], report["spearman_modules"], report["first_step"]
     cells = [label, auc(report)] + [auc(base[k]) for k in COLUMNS] + [auc(report["adam_aware"])]
-    sm = report["spearman_modules"]
-    cells += [f"{sm['sum_sqrt_fisher']:.2f}" if sm["sum_sqrt_fisher"] is not None else "n/a",
-              f"{sm['sum_fisher']:.2f}" if sm["sum_fisher"] is not None else "n/a"]
-    fs = report["first_step"]
+    cells += [_num(report["precision_at_k"]["0.01"]), _num(report["adam_aware"].get("precision_at_k", {}).get("0.01")),
+              _num(sm["sum_sqrt_fisher"]), _num(sm["sum_fisher"])]
     cells.append("n/a (no S for the trained objective)" if fs.get("violation_rate") is None else
                  f"{fs['violation_rate']:.1e} (noise {fs['noise_violation_rate']:.1e})")
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = ("| training | F ranking AUROC | random | abs(theta) | single-batch abs(grad) | second seed | Spectrum SNR "
-          "| KappaTune | Adam-aware SNR | module rho, sum sqrt(F) | module rho, sum F | first-step violations |\n"
-          + "|---" * 12 + "|")
+          "| KappaTune | Adam-aware SNR | F precision@1% | Adam-aware precision@1% | module rho, sum sqrt(F) "
+          "| module rho, sum F | first-step violations |\n" + "|---" * 14 + "|")
+
+
+def label_of(report: dict) -> str:
+    s = report["settings"]
+    opt = "SGD" if s["optimizer"] == "sgd" else "AdamW"
+    return f"{report['objective']['type'].upper()}, {opt} (lr {s['lr']:g}, wd {s['weight_decay']:g})"
+
+
+def table(paths: list[str]) -> int:
+    """The table again from validation.json files (or their directories), without training."""
+    print(HEADER)
+    for path in paths:
+        path = Path(path)
+        report = json.loads((path / "validation.json" if path.is_dir() else path).read_text())
+        print(row(label_of(report), report))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -108,9 +131,15 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--runs", default="runs/validate-bench")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--train-prompts", type=int, default=None,
+                   help="with --fisher-run: train on the demonstrations of this many prompts (default: the run's)")
     p.add_argument("--fisher-run", help="train SFT from demonstrations on this (e.g. RL) run's F and prompts "
                                         "instead of calibrating the SFT recipe (F is objective-independent)")
+    p.add_argument("--table", nargs="+", metavar="VALIDATION", help="only print the table of these validation.json "
+                                                                      "files or directories (no training)")
     args = p.parse_args(argv)
+    if args.table:
+        return table(args.table)
     lr = args.lr if args.lr is not None else (1e-4 if args.optimizer == "sgd" else 1e-5)
     setup = None
     if args.fisher_run:
@@ -130,13 +159,13 @@ def main(argv=None) -> int:
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
                       max_new_tokens=new_tokens)
     print("\n".join(summary_lines(result.report)))
-    label = f"{args.objective.upper()}, {'SGD' if args.optimizer == 'sgd' else 'AdamW'} (lr {lr:g}, wd {args.weight_decay:g})"
     print(f"\nsettings: calibration {args.num_prompts} x {args.calibration_samples}, {args.max_new_tokens} new tokens; "
-          f"{args.steps} steps of {args.prompts_per_step} x {args.samples_per_prompt}, {new_tokens} new tokens; "
+          f"{args.steps} steps of {args.prompts_per_step} x {args.samples_per_prompt}, {new_tokens} new tokens"
+          f"{'' if not args.train_prompts else f', SFT on the demonstrations of {args.train_prompts} prompts'}; "
           f"subsample {args.subsample}; "
           f"{time.time() - started:.0f} s; wrote {result.out}")
     print(HEADER)
-    print(row(label, result.report))
+    print(row(label_of(result.report), result.report))
     return 0
 
 

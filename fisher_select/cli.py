@@ -29,9 +29,10 @@ _QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    for name in _QUIET_LOGGERS:
+    for name in _QUIET_LOGGERS:  # before the commands import peft, which imports bitsandbytes
         logging.getLogger(name).setLevel(logging.ERROR)
+    args = build_parser().parse_args(argv)
+    args.command_line = ["fisher-select", *(sys.argv[1:] if argv is None else argv)]  # recorded in the run
     raise_on_sigterm()  # a cluster time limit stops the work like Ctrl-C: nothing half-written stays
     try:
         return int(args.func(args) or 0)

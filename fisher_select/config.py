@@ -27,7 +27,7 @@ from fisher_select.models import DTYPES, EMBEDDED_DEFAULT, QUANTIZATIONS
 from fisher_select.validation import build_dataclass, describe_field, fields_table, same_field
 
 _SINGLE = "objective"  # a recipe may give one objective under this key instead of a list
-_FILE_KEYS = ("prompts",)  # relative paths: relative to the recipe file (or, from a flag, to the working directory)
+_FILE_KEYS = ("prompts", "rollouts")  # relative paths: relative to the recipe file (or, from a flag, to the working directory)
 
 
 @dataclass
@@ -43,10 +43,23 @@ class RecipeConfig:
         "help": "embedded default name, local model directory, .gguf file, or a hub id already in the local cache"})
     num_prompts: int | None = field(default=None, metadata={
         "help": "calibrate on the first N prompts of the file (default all)", "min": 1})
+    rollouts: str | None = field(default=None, metadata={
+        "help": "score these rollouts (JSONL, or Parquet with pyarrow) instead of sampling: their prompts and K "
+                "replace prompts and samples_per_prompt; field mapping in docs/ROLLOUTS.md"})
     samples_per_prompt: int = same_field(CalibrationSettings, "samples_per_prompt")
     max_new_tokens: int = same_field(CalibrationSettings, "max_new_tokens")
     seed: int = same_field(CalibrationSettings, "seed")
     batch_size: int = same_field(CalibrationSettings, "batch_size")
+    truncate_prompts: bool = same_field(CalibrationSettings, "truncate_prompts")
+    accumulators: str = same_field(CalibrationSettings, "accumulators")
+    modules: str | None = same_field(CalibrationSettings, "modules")
+    accumulate_on: str = same_field(CalibrationSettings, "accumulate_on")
+    checkpoint_every: int | None = field(default=None, metadata={
+        "help": "write a checkpoint (accumulators, generator states, samples) to OUT.checkpoint/ every N prompt "
+                "batches, so `calibrate --resume` continues after a kill; each costs the accumulators' bytes "
+                "on disk (default: none)",
+        "min": 1,
+    })  # the CLI's, not calibrate()'s: the API takes a CheckpointConfig
     device: str = field(default="cpu", metadata={
         "help": "torch device (cpu, cuda, cuda:1, mps), or auto to spread a large model over the devices"})
     dtype: str = field(default="float32", metadata={
@@ -115,7 +128,7 @@ def _check_sampling(data, errors: list[str]) -> None:
 
 def _resolve_paths(recipe: RecipeConfig, objectives: list, base_dir: Path) -> None:
     for name in _FILE_KEYS:
-        if not Path(getattr(recipe, name)).is_absolute():
+        if getattr(recipe, name) is not None and not Path(getattr(recipe, name)).is_absolute():
             setattr(recipe, name, str((base_dir / getattr(recipe, name)).resolve()))
     for cfg in objectives:  # objective data files (SFT demonstrations) are relative to the recipe too
         if hasattr(cfg, "resolve_paths"):

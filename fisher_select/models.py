@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from fisher_select.atomic import publish_dir
 from fisher_select.engine import rules
@@ -263,7 +264,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32", quantizat
                 path, dtype=DTYPES[dtype], local_files_only=True, use_safetensors=True, **extra
             )  # safetensors only: a pickled .bin checkpoint can run code when loaded
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # SafetensorError: a damaged weights file
         raise FisherSelectError(
             f"could not load a causal language model and tokenizer from {path}: "
             f"{_first_line(err)}; pass a directory written by save_pretrained (safetensors weights: "

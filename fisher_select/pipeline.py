@@ -9,7 +9,10 @@ from fisher_select.calibration.calibrator import Calibration, calibrate, check_i
 from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
 from fisher_select.calibration.distributed import init_from_env, rank_world
 from fisher_select.models import fingerprint, load_model
+from fisher_select.calibration.checkpoint import CheckpointConfig, checkpoint_folder
+from fisher_select.calibration.checkpoint import finish as finish_checkpoint
 from fisher_select.calibration.prompts import load_prompts
+from fisher_select.calibration.rollouts import load_rollouts
 from fisher_select.report.build import build_report, write_run
 from fisher_select.atomic import check_dir_target
 from fisher_select.rundir import ModelInfo, RunReport
@@ -24,31 +27,45 @@ class RunResult:
 
 
 def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False, progress: bool = True,
-               recipe_name: str | None = None) -> RunResult:
-    """Load model and prompts, calibrate every objective of the recipe, write the run directory."""
+               recipe_name: str | None = None, command_line: list[str] | None = None,
+               resume: bool = False) -> RunResult:
+    """Load model and prompts (or rollouts), calibrate every objective of the recipe, write the run directory.
+
+    ``resume``: continue from the checkpoint in ``OUT.checkpoint`` (written every ``checkpoint_every``
+    batches), if there is one; it is removed once the run directory is written.
+    """
     out = Path(out)
     check_dir_target(out, overwrite)  # refuse before spending minutes on calibration
     device = init_from_env(recipe.device)  # torchrun / accelerate: one rank per device
-    rank, _ = rank_world()
-    prompts = load_prompts(recipe.prompts, limit=recipe.num_prompts)
+    rank, world = rank_world()
+    rollouts = load_rollouts(recipe.rollouts, limit=recipe.num_prompts) if recipe.rollouts else None  # checked now
+    prompts = rollouts.prompts if rollouts else load_prompts(recipe.prompts, limit=recipe.num_prompts)
+    k = rollouts.k if rollouts else recipe.samples_per_prompt
     objectives = build_objectives(recipe)
     sampling = SamplingConfig(**recipe.sampling)  # checked by load_recipe (and again by calibrate, for API callers)
     # The prompt and objective checks, before minutes of model loading; the sampling keys are not re-checked.
-    check_inputs(prompts, objectives, recipe.samples_per_prompt, None)  # sampling: checked by load_recipe
+    check_inputs(prompts, objectives, k, None)  # sampling: checked by load_recipe
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
+    model_fingerprint = fingerprint(model)
+    ckpt = CheckpointConfig(checkpoint_folder(out), recipe.checkpoint_every, resume, discard_existing=overwrite,
+                            model_id=model_fingerprint["id"], keep_when_done=True)
     cal = calibrate(model, tokenizer, prompts, objectives, samples_per_prompt=recipe.samples_per_prompt,
                     max_new_tokens=recipe.max_new_tokens, seed=recipe.seed, batch_size=recipe.batch_size,
-                    sampling=sampling, progress=progress and rank == 0)
-    model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=fingerprint(model), dtype=recipe.dtype,
+                    truncate_prompts=recipe.truncate_prompts, sampling=sampling, progress=progress and rank == 0,
+                    accumulators=recipe.accumulators, modules=recipe.modules, accumulate_on=recipe.accumulate_on,
+                    rollouts=rollouts, checkpoint=ckpt)
+    model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
-    settings = {"samples_per_prompt": recipe.samples_per_prompt, "max_new_tokens": recipe.max_new_tokens,
+    settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,
                 "seed": recipe.seed}
     report = build_report(cal, model=model_info, recipe=recipe_to_dict(recipe), recipe_name=recipe_name,
-                          sampling=sampling.describe(), settings=settings)
+                          sampling=rollouts.describe() if rollouts else sampling.describe(), settings=settings,
+                          command_line=command_line)
     if recipe.mix:
         report.mixed_bound = _mixed_summary(cal, recipe.mix)
     if rank == 0:  # every rank holds the merged result; one writes it
         write_run(out, cal, report, overwrite)
+    finish_checkpoint(ckpt, rank, world)
     return RunResult(cal, report, out)
 
 

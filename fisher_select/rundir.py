@@ -202,6 +202,8 @@ class RunReport:
     created: str = ""
     fisher_select_version: str = ""
     format_version: int = FORMAT_VERSION
+    environment: dict = field(default_factory=dict)  # python, platform, library versions, device
+    command_line: list[str] | None = None  # argv of `fisher-select calibrate` (None from the Python API)
     recipe: str | None = None  # recipe name
     config: dict | None = None  # the resolved recipe
     num_prompts: int = 0
@@ -347,7 +349,7 @@ def compare_runs(a: "str | os.PathLike", b: "str | os.PathLike") -> list[str]:
         diffs.append(f"{SAMPLES_FILE} differs (other samples: seed, settings or model)")
     ra, rb = (json.loads((d / REPORT_FILE).read_text()) for d in (a, b))
     for key in sorted(set(ra) | set(rb)):
-        if key not in ("run_id", "created") and ra.get(key) != rb.get(key):
+        if key not in ("run_id", "created", "command_line") and ra.get(key) != rb.get(key):
             diffs.append(f"{REPORT_FILE}: {key} differs")
     return diffs
 

@@ -204,9 +204,12 @@ def test_calibrate_flags_are_generated_from_the_recipe_fields():
     scalars = [f for f in dataclasses.fields(RecipeConfig) if scalar_type(hints[f.name]) is not None]
     assert {"samples_per_prompt", "num_prompts", "quantization", "dtype", "model"} <= {f.name for f in scalars}
     for f in scalars:
-        action = actions[f.name]
-        assert action.option_strings == ["--" + f.name.replace("_", "-")]
-        assert action.type is scalar_type(hints[f.name]) and action.default is None
+        action, flag = actions[f.name], "--" + f.name.replace("_", "-")
+        if scalar_type(hints[f.name]) is bool:  # --x / --no-x, so a command line can undo a recipe's true
+            assert action.option_strings == [flag, "--no-" + flag[2:]] and action.default is None
+        else:
+            assert action.option_strings == [flag]
+            assert action.type is scalar_type(hints[f.name]) and action.default is None
         assert field_help(f) and field_help(f) in action.help.replace("%%", "%"), f.name
     assert "objectives" not in actions and "sampling" not in actions  # mappings and lists stay in the file
     args = _subparser("calibrate").parse_args(["--out", "o", "--num-prompts", "3", "--quantization", "nf4"])
@@ -216,7 +219,7 @@ def test_calibrate_flags_are_generated_from_the_recipe_fields():
 def test_lora_flag_defaults_are_the_hint_settings():
     from fisher_select.outputs.hint_settings import LoraHintSettings
 
-    args = _subparser("lora").parse_args(["run", "--out", "x.json"])
+    args = _subparser("lora").parse_args(["run", "--out", "hint"])
     assert (args.rank_step, args.alpha_ratio) == (LoraHintSettings.rank_step, LoraHintSettings.alpha_ratio)
     assert args.coverage is None and args.top_n is None and args.total_rank is None  # lora_hints decides
 

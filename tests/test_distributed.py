@@ -7,7 +7,6 @@ must equal what one process computes from the same shards and seeds, combined by
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.distributed import seed_for_rank, shard
 from fisher_select.calibration.objectives import RLObjective
 from fisher_select.calibration.prompts import PromptRecord
-from tests.tiny import TinyTokenizer, enumeration_model
+from tests.tiny import TinyTokenizer, enumeration_model, free_port
 
 PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 0", "3 3", "0 4 4"])]
 K, SEED = 6, 11
@@ -46,16 +45,11 @@ def _worker(rank, world, port, out):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 def test_two_ranks_merge_to_the_combined_single_process_result(tmp_path):
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
     merged = torch.load(out)
     parts = [_calibrate(shard(PROMPTS, r, 2), seed_for_rank(SEED, r)) for r in range(2)]
     n = sum(p.num_samples for p in parts)
@@ -82,7 +76,7 @@ def test_torchrun_cli_writes_one_merged_run(tmp_path, embedded):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": i}) + "\n" for i in range(5)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "fisher_select", "calibrate", "--model", str(tmp_path / "model"), "--prompts", str(prompts),
            "--num-prompts", "5", "--samples-per-prompt", "2", "--max-new-tokens", "3", "--no-progress",
            "--out", str(tmp_path / "run")]

@@ -235,26 +235,34 @@ def test_pattern_keys_match_exactly_their_module_under_peft_rules():
 
 
 
-def test_cli_lora_writes_peft_json_that_loads_only_for_its_model(tmp_path, capsys):
+def test_cli_lora_writes_adapter_directory_that_loads_only_for_its_model(tmp_path, capsys):
     model = tiny_llama()
     run = tiny_run(model)
     run_dir = write_run_dir(run, tmp_path / "run")
-    out = tmp_path / "lora.json"
+    out = tmp_path / "lora"
     assert run_command(["lora", str(run_dir), "--top-n", "5", "--total-rank", "40", "--rank-step", "4",
                 "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "load_lora_config(" in text and "get_peft_model(model, config)" in text and "Caveat:" in text
-    data = json.loads(out.read_text())
+    assert "LoraConfig.from_pretrained(" in text and "load_lora_config(" in text and "Caveat:" in text
+    assert "trainable parameters" in text
+    data = json.loads((out / "adapter_config.json").read_text())
     hints = lora_hints(run, top_n=5, total_rank=40, rank_step=4)
     assert data["peft_type"] == "LORA"
     for key in ("task_type", "target_modules", "r", "lora_alpha", "rank_pattern", "alpha_pattern",
                 "layers_to_transform"):
         assert data[key] == hints[key], key
-    assert data["fisher_select"]["run_id"] == run.run_id
-    assert data["fisher_select"]["model"]["fingerprint"] == fingerprint(model)
+    assert "fisher_select" not in data  # PEFT would warn about an unknown key: provenance is beside it
+    provenance = json.loads((out / "fisher_select_provenance.json").read_text())
+    assert provenance["run_id"] == run.run_id
+    assert provenance["model"]["fingerprint"] == fingerprint(model)
+    assert provenance["targets"] == hints["fisher_select"]["targets"]
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = peft.LoraConfig.from_pretrained(str(out))
+    assert [str(w.message) for w in caught] == []
     config = load_lora_config(out, model)
-    assert isinstance(config, peft.LoraConfig) and config.rank_pattern == hints["rank_pattern"]
+    assert isinstance(config, peft.LoraConfig) and config.rank_pattern == hints["rank_pattern"] == plain.rank_pattern
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         peft_model = peft.get_peft_model(copy.deepcopy(model), config)
@@ -262,10 +270,11 @@ def test_cli_lora_writes_peft_json_that_loads_only_for_its_model(tmp_path, capsy
     assert set(adapted(peft_model, "lora_A")) == set(hints["target_modules"])
     with pytest.raises(FisherSelectError, match="different weights"):
         load_lora_config(out, tiny_llama(seed=1))
-    with pytest.raises(FisherSelectError, match="already exists"):
+    with pytest.raises(FisherSelectError, match="already holds files"):
         run_command(["lora", str(run_dir), "--out", str(out)])
     with pytest.raises(FisherSelectError, match="cannot give"):
-        run_command(["lora", str(run_dir), "--top-n", "5", "--total-rank", "8", "--out", str(tmp_path / "b.json")])
+        run_command(["lora", str(run_dir), "--top-n", "5", "--total-rank", "8", "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "b").exists()
 
 
 def test_real_peft_is_imported_inside_fisher_select_peft():

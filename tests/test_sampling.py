@@ -13,8 +13,8 @@ from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.objectives import RLObjective
 from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.engine.reference import enumerate_responses, sequence_logprob
-from fisher_select.calibration.sampling import SamplingConfig, sample_responses
-from tests.tiny import TinyTokenizer, enumeration_model
+from fisher_select.calibration.sampling import BUCKET_WASTE, SamplingConfig, buckets, sample_responses
+from tests.tiny import TinyTokenizer, enumeration_model, tiny_model
 
 
 def _draw(model, prompt, n, seed=0, max_new=3):
@@ -22,14 +22,11 @@ def _draw(model, prompt, n, seed=0, max_new=3):
                             generator=torch.Generator().manual_seed(seed))
 
 
-def test_outcome_frequencies_match_exact_distribution():
-    model = enumeration_model()
-    prompt = [2, 3]
-    exact = {tuple(o.response): o.prob for o in enumerate_responses(model, prompt, {1}, 3)}
-    n = 4000
-    counts = Counter(tuple(s.response_ids) for s in _draw(model, prompt, n))
+
+def assert_matches_exact(counts: Counter, exact: dict, n: int) -> None:
+    """Pearson chi-square of n draws' outcome counts against exact probabilities, rare outcomes pooled
+    so every expected count is >= 5; fails beyond about 5 sigma of the chi-square."""
     assert set(counts) <= set(exact)
-    # Pearson chi-square over outcomes, rare ones pooled so every expected count is >= 5.
     chi2, pooled_obs, pooled_exp, df = 0.0, 0, 0.0, -1
     for outcome, p in exact.items():
         if n * p >= 5:
@@ -39,7 +36,16 @@ def test_outcome_frequencies_match_exact_distribution():
             pooled_obs, pooled_exp = pooled_obs + counts[outcome], pooled_exp + n * p
     if pooled_exp > 0:
         chi2, df = chi2 + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
-    assert chi2 < df + 5 * math.sqrt(2 * df), (chi2, df)  # about 5 sigma of the chi-square
+    assert chi2 < df + 5 * math.sqrt(2 * df), (chi2, df)
+
+
+def test_outcome_frequencies_match_exact_distribution():
+    model = enumeration_model()
+    prompt = [2, 3]
+    exact = {tuple(o.response): o.prob for o in enumerate_responses(model, prompt, {1}, 3)}
+    n = 4000
+    counts = Counter(tuple(s.response_ids) for s in _draw(model, prompt, n))
+    assert_matches_exact(counts, exact, n)
 
 
 def test_recorded_logprob_and_end_flags():
@@ -96,3 +102,65 @@ def test_tokens_beyond_rank_50_appear_at_the_model_rate(embedded):
     assert expected > 5  # the model does put mass beyond its top 50
     assert observed > 0
     assert abs(observed - expected) < 4 * math.sqrt(variance), (observed, expected, variance)
+
+
+# --- throughput paths: shared prefill, length buckets merged into one cache, finished rows dropped
+
+MIXED = [[2, 3], [4, 2, 0, 3, 3, 2, 4, 0, 2], [3], [0, 4, 4, 2, 3]]  # lengths 2, 9, 1, 5: several buckets
+
+
+def test_length_buckets_bound_the_padding():
+    assert buckets([2, 9, 1, 5], None) == [[2, 0, 3, 1]]  # ascending length
+    parts = buckets([2, 9, 1, 5, 9, 8], 0.25)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    for p in parts:
+        lengths = [[2, 9, 1, 5, 9, 8][i] for i in p]
+        assert len(lengths) * max(lengths) <= 1.25 * sum(lengths)
+    assert len(buckets([10] * 8, 0.25)) == 1
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("bucket_waste,compact", [(BUCKET_WASTE, True), (None, True), (BUCKET_WASTE, False)],
+                         ids=["buckets-compact", "one-prefill-compact", "buckets-no-compact"])
+def test_mixed_length_batch_records_the_unpadded_logprob(name, bucket_waste, compact):
+    # each row's recorded log-probability is that of its prompt alone, unpadded: the merged,
+    # left-padded bucket caches and the dropped rows change nothing but the work done
+    model = enumeration_model() if name == "llama" else tiny_model("gpt2")
+    eos = {1} if name == "llama" else set(range(1, 9))  # 64-token GPT-2: several EOS ids, so rows end early
+    rows = [p for p in MIXED for _ in range(3)]
+    drawn = sample_responses(model, rows, eos_ids=eos, pad_id=1, max_new_tokens=6,
+                             generator=torch.Generator().manual_seed(2), bucket_waste=bucket_waste, compact=compact)
+    assert any(s.ended for s in drawn) and any(len(s.response_ids) > 1 for s in drawn)
+    for prompt, s in zip(rows, drawn):
+        with torch.no_grad():
+            ref = float(sequence_logprob(model, prompt, s.response_ids))
+        assert abs(s.logprob - ref) < 1e-4, (prompt, s.response_ids, s.logprob, ref)
+        assert s.ended == (s.response_ids[-1] in eos) and not eos & set(s.response_ids[:-1])
+
+
+def test_mixed_length_batch_samples_the_exact_distribution():
+    # the short prompt's rows, drawn beside longer prompts (other buckets, rows leaving the batch)
+    model = enumeration_model()
+    prompt = [2, 3]
+    exact = {tuple(o.response): o.prob for o in enumerate_responses(model, prompt, {1}, 3)}
+    counts, n = Counter(), 0
+    g = torch.Generator().manual_seed(9)
+    for _ in range(10):
+        rows = [p for p in MIXED for _ in range(100)]
+        drawn = sample_responses(model, rows, eos_ids={1}, pad_id=1, max_new_tokens=3, generator=g)
+        for p, s in zip(rows, drawn):
+            if p == prompt:
+                counts[tuple(s.response_ids)] += 1
+                n += 1
+    assert_matches_exact(counts, exact, n)
+
+
+def test_seeded_with_mixed_lengths():
+    model = enumeration_model()
+    rows = [p for p in MIXED for _ in range(4)]
+
+    def draw(seed):
+        return [s.response_ids for s in sample_responses(model, rows, eos_ids={1}, pad_id=1, max_new_tokens=5,
+                                                          generator=torch.Generator().manual_seed(seed))]
+
+    assert draw(4) == draw(4) and draw(4) != draw(5)

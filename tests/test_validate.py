@@ -15,13 +15,15 @@ from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.objectives import RLObjective, SFTDemonstrationsObjective
 from fisher_select.calibration.objectives.base import Context
 from fisher_select.calibration.prompts import PromptRecord
-from fisher_select.engine.reference import brute_force_sums
+from fisher_select.engine.reference import brute_force_sums, per_sample_scores
 from fisher_select.errors import FisherSelectError
 from fisher_select.training import baselines
-from fisher_select.training.loop import Streams, backward, make_task, pad_rows
-from fisher_select.training.metrics import Realized, Subsample, auroc, first_step_check, ranking_metrics
+from fisher_select.training.loop import Streams, backward, make_task, pad_rows, token_weights
+from fisher_select.training.metrics import (Realized, Subsample, auroc, first_step_check, ranking_metrics,
+                                            spacing)
 from fisher_select.training.movement import movement, snapshot
-from fisher_select.training.validate import Setup, ValidationOptions, global_top_masks, validate
+from fisher_select.training.validate import (Setup, ValidationOptions, global_top_masks, minibatch_snr,
+                                             row_score_sums, sgd_step, split_half_gradient, validate)
 from tests import enumeration as en
 from tests.runs import make_run
 from tests.tiny import TinyTokenizer, tiny_model
@@ -91,6 +93,25 @@ def test_spectrum_snr_matches_a_hand_computed_svd():
     assert baselines.spectrum_snr(torch.tensor([3.0, 4.0])) == pytest.approx(1.0)  # 1-D: one singular value
 
 
+def _numpy_spectrum(w: np.ndarray) -> float:
+    """Spectrum's rule written again in numpy: IQR sigma, MP edge sigma (1 + sqrt(min/max)), signal/noise/S[0]."""
+    w = w.reshape(1, -1) if w.ndim == 1 else w  # Spectrum treats a vector as one row
+    s = np.linalg.svd(w, compute_uv=False)
+    q25, q75 = np.percentile(s, [25, 75])  # linear interpolation, as torch.quantile
+    edge = (q75 - q25) / 1.349 * (1 + math.sqrt(min(w.shape) / max(w.shape)))
+    signal, noise = s[s > edge].sum(), s[s <= edge].sum()
+    return float((signal / (noise if (s <= edge).any() else 1.0)) / s[0])
+
+
+@pytest.mark.parametrize("shape", [(6, 20), (20, 6), (12, 12), (7,)])
+def test_spectrum_snr_matches_numpy_on_random_low_rank_plus_noise(shape):
+    gen = np.random.default_rng(sum(shape))
+    w = gen.normal(size=shape)
+    if len(shape) == 2:  # a rank-2 spike above the noise, so the threshold separates something
+        w += 6 * np.outer(gen.normal(size=shape[0]), gen.normal(size=shape[1])) / math.sqrt(max(shape))
+    assert baselines.spectrum_snr(torch.tensor(w, dtype=torch.float32)) == pytest.approx(_numpy_spectrum(w), rel=1e-4)
+
+
 def test_spectrum_selection_takes_half_of_each_type_plus_embeddings_and_head():
     scores = {"model.embed_tokens": 0.0, "lm_head": 0.0, "model.norm": 1.0,
               **{f"model.layers.{i}.mlp.up_proj": float(i) for i in range(4)},
@@ -98,6 +119,27 @@ def test_spectrum_selection_takes_half_of_each_type_plus_embeddings_and_head():
     chosen = baselines.spectrum_selection(scores)
     assert chosen == {"model.embed_tokens", "lm_head", "model.layers.2.mlp.up_proj", "model.layers.3.mlp.up_proj",
                       "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}
+
+
+def test_kappa_scores_follow_numpy_condition_numbers_on_a_tiny_model():
+    """PEFT's KappaTune through ``kappa_module_scores``: lowest condition number first (numpy SVD), the
+    default targets are its lowest 20% of the nn.Linear modules. A peft without KappaTune: no scores, one reason."""
+    model = tiny_model("llama-untied")
+    scores, targets, how = baselines.kappa_module_scores(model)
+    try:
+        from peft import find_kappa_target_modules  # noqa: F401
+    except ImportError:
+        assert scores is None and targets is None and "find_kappa_target_modules" in how
+        return
+    kappa = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            sv = np.linalg.svd(module.weight.detach().double().numpy(), compute_uv=False)
+            kappa[name] = sv[0] / (sv[-1] + 1e-8)
+    assert set(scores) == set(kappa)
+    by_score = sorted(scores, key=lambda n: -scores[n])  # higher score = picked earlier
+    assert [kappa[n] for n in by_score] == sorted(kappa.values())
+    assert targets == set(by_score[: max(1, int(len(kappa) * baselines.KAPPA_TOP_P))])
 
 
 # ---------------------------------------------------------------------------
@@ -119,6 +161,16 @@ class DemoTokenizer(TinyTokenizer):
         return super().__call__(text)
 
 
+def _batch_with_signal(task, prompts: int = 3):
+    """The first seeded batch in which some reward varies within a prompt (else every signal is 0 and the
+    gradient checks would compare zeros): a bounded, deterministic search."""
+    for seed in range(50):
+        batch = task.batch(prompts, Streams.from_seed(seed, "cpu"))
+        if batch.rows_with_signal() > 0:
+            return batch
+    pytest.fail("no batch with a nonzero signal in 50 seeds: the reward never varies for this model")
+
+
 def _grads(model):
     return {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
 
@@ -126,7 +178,7 @@ def _grads(model):
 def test_on_policy_loss_gradient_is_minus_the_mean_signal_weighted_score():
     model, tok = tiny_model("llama-tied"), TinyTokenizer(64)
     task = make_task(RLObjective(_reward), Context(model, tok), _prompts(3), k=4, max_new_tokens=5)
-    batch = task.batch(3, Streams.from_seed(1, "cpu"))
+    batch = _batch_with_signal(task)
     assert len(batch.rows) == 12 and [len(g) for g in batch.groups] == [4, 4, 4]
     model.zero_grad()
     backward(model, batch, task.pad, micro=5)  # micro-batches of 5, 5, 2 rows
@@ -202,6 +254,71 @@ def test_first_step_with_the_exact_gradient_never_exceeds_the_exact_bound():
     ratio = torch.cat([(grad[n].abs() / half[n].clamp_min(1e-30)).reshape(-1) for n in grad])
     assert int((ratio > 1.001).sum()) <= flagged <= int((ratio > 0.999).sum())
     assert flagged > 0
+
+
+def _enumeration_task(k: int):
+    model, tok = en.student(), TinyTokenizer(en.VOCAB)
+    objective = RLObjective(lambda record, text: _enumeration_reward([int(t) for t in text.split()]))
+    return model, make_task(objective, Context(model, tok), en.records(), k=k, max_new_tokens=en.MAX_NEW)
+
+
+def test_first_step_of_the_loop_estimates_the_exact_gradient_within_its_noise_level():
+    """validate's first step (fresh samples, leave-one-out signal, two halves, one SGD step) on the
+    enumerated model: |delta|/lr is the batch's mean gradient; averaged over independent batches it
+    points along the exact g (unbiased), its squared error against g has the size of the squared noise
+    estimate (same expectation; one batch's noise lives in few directions, so only within a factor 4
+    over 8 batches), and with the exact bound, violations stay within what that noise explains."""
+    model, task = _enumeration_task(k=16)
+    g, scale = _exact_rl()
+    exact_g, bound = _unflatten(g, model), _unflatten((en.exact_fisher() * scale).sqrt(), model)
+    start, lr = snapshot(model), 1e-3
+    err = level = 0.0
+    average = {n: torch.zeros_like(t) for n, t in exact_g.items()}
+    for seed in range(8):
+        batch = task.batch(8, Streams.from_seed(seed, "cpu"))  # each prompt 4 times (prompts cycle in epochs)
+        grad, noise, rows = split_half_gradient(model, batch, task.pad, micro=64)
+        assert rows == len(batch.rows) == 128
+        delta = sgd_step(model, grad, lr, start)
+        assert all(torch.equal(p.detach(), start[n]) for n, p in model.named_parameters())  # restored
+        for n in delta:  # SGD moved by lr |g_hat|, up to the fp32 rounding of the new weight (one ulp)
+            assert bool(((delta[n] - lr * grad[n].abs()).abs() <= spacing(start[n].abs() + delta[n])).all()), n
+        # the loss gradient is -g_hat
+        for n in grad:
+            average[n] -= grad[n] / 8
+        err += sum(float((-grad[n].double() - exact_g[n].double()).square().sum()) for n in grad)
+        level += sum(float(noise[n].double().square().sum()) for n in noise)
+        check = first_step_check(delta, noise, bound, start, lr)
+        assert check["violation_rate"] <= 2 * check["noise_violation_rate"] + 0.02, check
+    assert 0.25 < err / level < 4, (err, level)
+    dot = sum(float((average[n].double() * exact_g[n].double()).sum()) for n in average)
+    norms = [math.sqrt(sum(float(t[n].double().square().sum()) for n in t)) for t in (average, exact_g)]
+    assert dot / (norms[0] * norms[1]) > 0.8  # noise of the average: about level / 64, against |g|^2 = 2.3
+
+
+def test_adam_aware_snr_matches_a_brute_force_per_row_loop():
+    """minibatch_snr from the engine's per-row sums equals |m| / sqrt(m^2 + Var/B) computed from every
+    row's gradient of its signal-weighted log-probability, one backward per row (float64)."""
+    model, tok = tiny_model("llama-tied"), TinyTokenizer(64)
+    task = make_task(RLObjective(_reward), Context(model, tok), _prompts(3), k=4, max_new_tokens=5)
+    batch = _batch_with_signal(task)
+    sums = row_score_sums(model, batch, task.pad, micro=5)
+    ids, mask, resp = pad_rows(batch.rows, task.pad, "cpu")
+    per_row = per_sample_scores(model, ids, mask, resp, token_weights(batch.rows, batch.weights, ids.shape[1], "cpu"))
+    live = 0
+    for name in sums.total:
+        u = torch.stack([r[name] for r in per_row])  # (12, *shape) per-row gradients a_n h_n
+        m, var = u.mean(0), u.var(0, unbiased=False)
+        for rows, population in ((4, None), (4, 12), (12, 12)):
+            c = 1.0 if population is None else (population - rows) / (population - 1)
+            denom = (m.square() + c * var / rows).sqrt()
+            want = torch.where(denom > 0, m.abs() / denom.clamp_min(1e-300), 0.0)
+            got = minibatch_snr(sums.total[name], sums.squares[name], sums.count, rows, population)
+            assert torch.allclose(got.double(), want, atol=1e-4), (name, rows, population)
+        live += int((m.abs() > 1e-6).sum())
+        # the whole population as the minibatch: a deterministic gradient, SNR 1 wherever it is not 0
+        full = minibatch_snr(sums.total[name], sums.squares[name], sums.count, 12, 12)
+        assert bool((full[m.abs() > 1e-6] > 0.999).all())
+    assert live > 0
 
 
 # ---------------------------------------------------------------------------
@@ -307,3 +424,29 @@ def test_cli_validate_on_a_calibrated_run_directory(tmp_path, embedded, capsys):
     assert report["settings"]["max_new_tokens"] == 4 and report["training_outcome"]["held_out_disjoint"]
     assert report["objective"]["type"] == "sft" and report["first_step_violation_rate"] is None
     assert np.isfinite(report["auroc"]["q0.9"]) and report["movement_summary"]["main"]["max"] > 0
+    # the run's pages were redrawn with a Validation section holding this validation's numbers
+    markdown = (run_dir / "report.md").read_text()
+    assert "## Validation against training" in markdown and "validation-sgd-seed0" in markdown
+    assert f"| {report['auroc']['q0.99']:.2f} |" in markdown
+    assert "Validation against training" in (run_dir / "report.html").read_text()
+
+
+def test_report_validation_section_rows_and_plain_failure_sentence():
+    from fisher_select.report import validation as section
+
+    def fake(auc, optimizer):
+        entry = {"auroc": {"q0.99": auc}}
+        return {"objective": {"type": "rl"}, "settings": {"optimizer": optimizer, "lr": 1e-4, "weight_decay": 0.0,
+                                                          "steps": 4, "prompts_per_step": 4, "samples_per_prompt": 4},
+                **entry, "precision_at_k": {"0.01": 0.25}, "adam_aware": {"auroc": {"q0.99": 0.7}},
+                "baselines": {k: entry for k, _ in section.BASELINES},
+                "spearman_modules": {"sum_sqrt_fisher": 0.9, "sum_fisher": 0.1},
+                "first_step": {"violation_rate": 0.001, "noise_violation_rate": 0.002}, "caveats": ["c"]}
+
+    pairs = [("validation-sgd", fake(0.93, "sgd")), ("validation-adamw", fake(0.51, "adamw"))]
+    rows = section.rows(pairs)
+    assert len(rows) == 2 and all(len(r) == len(section.HEADER) for r in rows)
+    assert rows[0][2] == "0.93" and rows[0][-3:] == ["0.90", "0.10", "1.0e-03 (2.0e-03)"]
+    said = section.findings(pairs)
+    assert sum("does NOT predict" in f for f in said) == 1 and "validation-adamw" in said[1]
+    assert section.markdown_lines([]) == [] and section.html_section([]) == ""

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from fisher_select.calibration.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
                                                    rank_world, seed_for_rank, shard)
 from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage, score_sums
+from fisher_select.engine.memory import MemoryMode
 from fisher_select.errors import FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
@@ -26,6 +27,9 @@ from fisher_select.engine.rules import guard_model
 from fisher_select.rundir import BoundsView
 from fisher_select.report.statistics import SplitHalf, compare_halves
 from fisher_select.calibration.sampling import SamplingConfig, left_pad, sample_responses
+from fisher_select.calibration.checkpoint import CheckpointConfig, Checkpointer, capture, digest, restore
+from fisher_select.calibration.rollouts import Rollouts, mismatch_summary, tokenize_rollouts
+from fisher_select.calibration.teachers import sequence_logprobs
 
 
 @dataclass
@@ -74,10 +78,16 @@ def calibrate(
     max_new_tokens: int = CalibrationSettings.max_new_tokens,
     seed: int = CalibrationSettings.seed,
     batch_size: int = CalibrationSettings.batch_size,
+    truncate_prompts: bool = CalibrationSettings.truncate_prompts,
+    accumulators: str = CalibrationSettings.accumulators,
+    modules: str | None = CalibrationSettings.modules,
+    accumulate_on: str = CalibrationSettings.accumulate_on,
     sampling: SamplingConfig | None = None,
     progress: bool = True,
     verify: bool = True,
     stability: bool = True,
+    rollouts: Rollouts | None = None,
+    checkpoint: CheckpointConfig | None = None,
 ) -> Calibration:
     """Estimate the model Fisher from the model's own samples and each objective's signal scale.
 
@@ -91,15 +101,29 @@ def calibrate(
     compares the engine's score sums with plain autograd on the first batch (catches a
     parameter used outside its module, which no hook could see). ``stability`` keeps the split-half
     and per-batch diagnostics of the report (``_Stability``: 4 bytes per parameter coordinate more).
+    ``truncate_prompts``: cut a prompt that does not fit the context with ``max_new_tokens`` to its
+    last tokens (counted in ``checks["prompts_truncated"]``) instead of refusing the calibration.
+    ``accumulators`` / ``modules`` / ``accumulate_on``: the memory mode (``engine.memory.MemoryMode``):
+    which fp32 accumulators exist, for which parameters, where; what a reduced mode lacks is listed
+    in ``checks["memory"]["missing"]`` (report warnings), never a crash.
+    ``rollouts`` (``rollouts.load_rollouts``): score these responses instead of sampling; their prompts
+    and K replace ``prompts`` and ``samples_per_prompt`` (``checks["rollouts"]``: the on-policy check).
+    ``checkpoint``: write the state every ``checkpoint.every`` batches and, with ``resume``, continue from
+    the newest checkpoint (``calibration.checkpoint``; bit-identical to an uninterrupted pass on the CPU).
     """
     objectives = objective if isinstance(objective, list) else [objective]
-    check_inputs(prompts, objectives, samples_per_prompt, sampling or SamplingConfig())
+    if rollouts is not None:  # the file's prompts and K; its responses are not sampled here
+        prompts, samples_per_prompt, sampling = rollouts.prompts, rollouts.k, None
+    check_inputs(prompts, objectives, samples_per_prompt, sampling if rollouts else sampling or SamplingConfig())
     was_training = model.training
     model.eval()
     try:
         with guard_model(model):  # layers stay differentiable while sampling (bitsandbytes)
             return _Calibrator(model, tokenizer, objectives, samples_per_prompt, max_new_tokens, seed,
-                               batch_size, progress, verify, stability=stability).execute(prompts)
+                               batch_size, progress, verify, stability=stability,
+                               truncate_prompts=truncate_prompts,
+                               memory=MemoryMode(accumulators, modules, accumulate_on),
+                               rollouts=rollouts, checkpoint=checkpoint).execute(prompts)
     finally:
         model.train(was_training)
 
@@ -157,51 +181,122 @@ class _Calibrator:
     """State of one calibration pass (accumulators, generator, progress bars)."""
 
     def __init__(self, model, tokenizer, objectives, k, max_new_tokens, seed, batch_size, progress, verify,
-                 stability: bool = False):
+                 stability: bool = False, truncate_prompts: bool = False, memory: MemoryMode | None = None,
+                 rollouts: Rollouts | None = None, checkpoint: CheckpointConfig | None = None):
         self.model, self.tokenizer, self.objectives = model, tokenizer, objectives
+        self.seed, self.rollouts, self.checkpoint = seed, rollouts, checkpoint
+        self.ckpt: Checkpointer | None = None
         self.k, self.max_new_tokens, self.verify, self.batch_size = k, max_new_tokens, verify, batch_size
         self.groups_per_batch = max(1, batch_size // k)
         self.device = next(model.parameters()).device
-        self.cov: Coverage = plan_coverage(model)
+        self.memory = memory or MemoryMode()
+        whole = plan_coverage(model)
+        self.cov: Coverage = self.memory.restrict(whole)  # only the parameters the memory mode keeps
+        self.checks: dict = {"memory": {**self.memory.describe(),
+                                        "missing": self.memory.missing(self.cov, len(whole.shapes))}}
         self.eos = eos_ids_of(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else min(self.eos)
         self.rank, self.world = rank_world()
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)
-        self.progress = progress
+        self.progress, self.truncate_prompts = progress, truncate_prompts
         self.sums: ScoreSums | None = None
         self.stats = [o.new_statistics() for o in objectives]  # one per objective, group by group
         self.token_index = [i for i, o in enumerate(objectives) if o.token_level]
         self.token = self._token_level() if self.token_index else None
         self.samples: list[dict] = []
-        self.checks: dict = {}
-        self.stability = _Stability(self.cov) if stability else None
+        self.stability = _Stability(self.cov, self.memory) if stability else None
 
     def execute(self, all_prompts: list[PromptRecord]) -> Calibration:
-        every = [render_prompt(self.tokenizer, r) for r in all_prompts]
-        check_context(self.model, all_prompts, every, self.max_new_tokens)  # all prompts: every rank agrees
+        every = self._render(all_prompts)
         prompts = shard(all_prompts, self.rank, self.world)  # this rank's share (all of them alone)
         rendered = shard(every, self.rank, self.world)
         for o in self.objectives:  # load a teacher, check data against the prompts
             o.prepare(self.ctx, all_prompts)  # all of them: what it resolves must not depend on the rank
-        total = len(prompts) * self.k
-        bar_s = tqdm(total=total, desc="sampling", unit="sample", disable=not self.progress)
-        bar_f = tqdm(total=total, desc="scoring ", unit="sample", disable=not self.progress)
+        self._run_batches(prompts, rendered)
+        extra = [self._extra_mean_score(o) for o in self.objectives]
+        if self.world > 1:
+            self._merge_ranks()
+        if self.rollouts is not None:  # from the merged sample records: every rank's responses
+            self.checks["rollouts"] = {**self.rollouts.describe(), **mismatch_summary(self.samples)}
+        split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
+        cal = self._result(len(all_prompts), extra)
+        cal.diagnostics = calibration_diagnostics(self.stats, self.stability, split)
+        if self.ckpt is not None and not self.checkpoint.keep_when_done:
+            self.ckpt.discard()
+        return cal
+
+    def _render(self, all_prompts: list[PromptRecord]) -> list[list[int]]:
+        """Every prompt's token ids (all prompts: every rank agrees on the checks)."""
+        if self.rollouts is not None:  # the file's tokens, checked against the model's vocabulary and context
+            self.tokens = tokenize_rollouts(self.rollouts, self.model, self.tokenizer, self.eos)
+            self.rows = {g.record.index: g.rows for g in self.rollouts.groups}
+            return [self.tokens[r.index].prompt_ids for r in all_prompts]
+        every = [render_prompt(self.tokenizer, r) for r in all_prompts]
+        every, cut = check_context(self.model, all_prompts, every, self.max_new_tokens, self.truncate_prompts)
+        if cut:
+            self.checks["prompts_truncated"] = cut
+        return every
+
+    def _run_batches(self, prompts: list[PromptRecord], rendered: list[list[int]]) -> None:
+        """Sample (or read) and score batch by batch, checkpointing; a resumed pass skips the batches done."""
+        starts = list(range(0, len(prompts), self.groups_per_batch))
+        done = self._resume(rendered)
+        total, seen = len(prompts) * self.k, min(len(prompts), done * self.groups_per_batch) * self.k
+        what = "rollouts" if self.rollouts is not None else "sampling"
+        bar_s = tqdm(total=total, initial=seen, desc=what, unit="sample", disable=not self.progress)
+        bar_f = tqdm(total=total, initial=seen, desc="scoring ", unit="sample", disable=not self.progress)
         with bar_s, bar_f:
-            for i in range(0, len(prompts), self.groups_per_batch):
-                groups = self._sample(prompts[i : i + self.groups_per_batch], rendered[i : i + self.groups_per_batch])
+            for b in range(done, len(starts)):
+                i = starts[b]
+                groups = self._groups(prompts[i : i + self.groups_per_batch], rendered[i : i + self.groups_per_batch])
                 bar_s.update(len(groups) * self.k)
                 batch = self._batch(groups, self._signals(groups))
                 self._score(batch)
                 bar_f.update(len(groups) * self.k)
-        extra = [self._extra_mean_score(o) for o in self.objectives]
-        if self.world > 1:
-            self._merge_ranks()
-        split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
-        cal = self._result(len(all_prompts), extra)
-        cal.diagnostics = calibration_diagnostics(self.stats, self.stability, split)
-        return cal
+                if self.ckpt is not None and self.ckpt.due(b + 1, len(starts)):
+                    self.ckpt.save(b + 1, *capture(self), self.samples)
+
+    def _resume(self, rendered: list[list[int]]) -> int:
+        """Prompt batches already done: restored from the newest checkpoint (0 without one)."""
+        if self.checkpoint is None:
+            return 0
+        self.ckpt = Checkpointer(self.checkpoint, self.rank, self.world, self._checkpoint_key(rendered))
+        state = self.ckpt.load()
+        if state is None:
+            return 0
+        done, tensors, meta, samples = state
+        restore(self, tensors, meta, samples)
+        return done
+
+    def _checkpoint_key(self, rendered: list[list[int]]) -> dict:
+        """What the state depends on; a checkpoint whose key differs is refused."""
+        model_id = self.checkpoint.model_id
+        if model_id is None:
+            from fisher_select.models import fingerprint  # reads every weight once: only when asked to checkpoint
+            model_id = fingerprint(self.model)["id"]
+        return {"model": model_id, "samples_per_prompt": self.k, "max_new_tokens": self.max_new_tokens,
+                "seed": self.seed, "batch_size": self.batch_size, "prompts": digest(rendered),
+                "objectives": digest([o.describe() for o in self.objectives]),
+                "rollouts": self.rollouts.sha256 if self.rollouts is not None else None,
+                "stability": self.stability is not None, "memory": self.memory.describe()}
+
+    def _groups(self, records, rendered) -> list[Group]:
+        return self._rollout_groups(records) if self.rollouts is not None else self._sample(records, rendered)
+
+    def _rollout_groups(self, records: list[PromptRecord]) -> list[Group]:
+        """The file's groups, with this model's log-probability of every response recomputed (fp32, summed)."""
+        toks = [self.tokens[r.index] for r in records]
+        contexts = [t.prompt_ids for t in toks for _ in t.responses]
+        logp = sequence_logprobs(self.model, contexts, [y for t in toks for y in t.responses]).tolist()  # (B,)
+        groups, at = [], 0
+        for r, t in zip(records, toks):
+            k = len(t.responses)
+            groups.append(Group(r, t.prompt_ids, t.responses, t.texts, logp[at : at + k], t.ended,
+                                rollout=self.rows[r.index]))
+            at += k
+        return groups
 
     def _token_level(self) -> "TokenLevel":
         # the sign stream's seed comes from the sampling generator, drawn before any sampling
@@ -245,16 +340,16 @@ class _Calibrator:
         return _Batch(*self._pad(rows), groups, signals)
 
     def _score(self, batch: _Batch) -> None:
-        signal = batch.sequence_signal(self.device)  # (O, B)
+        signal = self.memory.signal(batch.sequence_signal(self.device))  # (O, B), None: no signal sums kept
         args = (self.model, batch.input_ids, batch.attention_mask, batch.response_mask)
         first = self.sums is None
         if self.stability is not None:  # the two halves' prompts in two calls
             self.sums = self.stability.score(self.model, batch, signal, self.sums)
         elif first:
-            self.sums = score_sums(*args, signal, coverage=self.cov)
+            self.sums = score_sums(*args, signal, coverage=self.cov, **self.memory.score_kwargs())
         else:
             score_sums(*args, signal, coverage=self.cov, into=self.sums)
-        if first and self.verify:  # the whole first batch's score sums against autograd
+        if first and self.verify and self.sums.total is not None:  # the first batch's score sums against autograd
             self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov)
         if self.token is not None:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
@@ -292,14 +387,16 @@ class _Calibrator:
                     "truncated": not g.ended[k],
                     "signal": {name: float(s.signal[k]) for name, s in zip(names, signals)},
                     "value": {name: (s.values[k] if s.values else None) for name, s in zip(names, signals)},
+                    **({"sampler_logprob": g.rollout[k].sampler_logprob, "rollout_line": g.rollout[k].line}
+                       if g.rollout else {}),
                 })
 
     def _merge_ranks(self) -> None:
         """Sum every rank's accumulators and merge statistics and samples (torchrun / accelerate)."""
         if self.sums is None:  # more ranks than prompt batches: this rank saw none
-            self.sums = ScoreSums.zeros(self.cov, len(self.objectives))
+            self.sums = self.memory.zeros(self.cov, len(self.objectives))
         self.sums.count = all_reduce_int(self.sums.count, self.device)
-        all_reduce_sums(self.sums.squares, self.sums.total, self.sums.signal)
+        all_reduce_sums(*(d for d in (self.sums.squares, self.sums.total, self.sums.signal) if d is not None))
         if self.token is not None:
             self.token.merge_ranks()
         self.stats = [merge_statistics(s) for s in self.stats]
@@ -313,7 +410,8 @@ class _Calibrator:
         if o.token_level:
             grad = self.token.grad_estimate(self.token_index.index(i))
         else:
-            grad = {name: s[i] / n for name, s in self.sums.signal.items()}
+            # accumulators=fisher keeps no signal sums: no gradient estimate (said in checks["memory"])
+            grad = {} if self.sums.signal is None else {name: s[i] / n for name, s in self.sums.signal.items()}
         summary = o.summary(stats)
         if extra_mean is not None:  # results that need F (SFT from demonstrations)
             done = o.extra_result(extra_mean, fisher)
@@ -324,9 +422,11 @@ class _Calibrator:
     def _result(self, num_prompts: int, extra: list[dict | None]) -> Calibration:
         n = self.sums.count
         fisher = {name: sq / n for name, sq in self.sums.squares.items()}
-        score_mean = {name: t / n for name, t in self.sums.total.items()}
+        total = self.sums.total or {}  # no score sums in the gradient / fisher memory modes
+        score_mean = {name: t / n for name, t in total.items()}
         results = [self._objective_result(i, fisher, mean) for i, mean in enumerate(extra)]
-        self.checks["score_mean"] = score_mean_check(fisher, score_mean, n)
+        if total:
+            self.checks["score_mean"] = score_mean_check(fisher, score_mean, n)
         cal = Calibration(fisher, score_mean, results, num_prompts, n,
                           sum(s["truncated"] for s in self.samples), self.samples,
                           self.cov.summary(), self.checks)
@@ -341,7 +441,8 @@ def verify_against_autograd(model, input_ids, attention_mask, response_mask, sum
     A parameter used outside the module that holds it (a functional matmul with another
     module's weight) would be missed by the hooks; this catches it on the first batch.
     """
-    params = {n: p for n, p in cov.params.items() if p.is_floating_point() and tuple(p.shape) == cov.shapes[n]}
+    params = {n: p for n, p in cov.params.items()
+              if n in cov.shapes and p.is_floating_point() and tuple(p.shape) == cov.shapes[n]}  # kept ones only
     saved = {n: p.requires_grad for n, p in params.items()}
     try:
         for p in params.values():
@@ -468,8 +569,8 @@ class _Stability:
     module masses: its per-parameter sum of h^2 and its sample count.
     """
 
-    def __init__(self, cov: Coverage):
-        self.cov = cov
+    def __init__(self, cov: Coverage, memory: MemoryMode | None = None):
+        self.cov, self.memory = cov, memory or MemoryMode()
         self.names = list(cov.shapes)
         self.squares_a: dict[str, torch.Tensor] | None = None
         self.samples, self.prompts = [0, 0], [0, 0]  # [half A, half B]
@@ -479,7 +580,7 @@ class _Stability:
 
     def _squares(self) -> dict[str, torch.Tensor]:
         if self.squares_a is None:
-            self.squares_a = ScoreSums.zeros(self.cov, None, totals=False).squares
+            self.squares_a = ScoreSums.zeros(self.cov, None, totals=False, device=self.memory.device).squares
         return self.squares_a
 
     def score(self, model, batch: _Batch, signal: torch.Tensor, sums: ScoreSums | None) -> ScoreSums:
@@ -493,11 +594,11 @@ class _Stability:
             ids, mask, resp = (t.index_select(0, rows) for t in
                                (batch.input_ids, batch.attention_mask, batch.response_mask))  # (b, T) each
             start = int(mask.any(0).nonzero()[0])  # padding columns these rows share
-            if sums is None:
-                sums = ScoreSums.zeros(self.cov, signal.shape[0])
+            if sums is None:  # signal None: the memory mode keeps no signal sums
+                sums = self.memory.zeros(self.cov, 0 if signal is None else signal.shape[0])
             target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0)
-            score_sums(model, ids[:, start:], mask[:, start:], resp[:, start:], signal.index_select(1, rows),
-                       coverage=self.cov, into=target)
+            score_sums(model, ids[:, start:], mask[:, start:], resp[:, start:],
+                       None if signal is None else signal.index_select(1, rows), coverage=self.cov, into=target)
             if half == 0:
                 sums.count += target.count
             self.samples[half] += len(rows)

@@ -155,19 +155,31 @@ def context_length(model) -> int | None:
     return None
 
 
-def check_context(model, records: list[PromptRecord], rendered: list[list[int]], max_new_tokens: int) -> None:
+def check_context(model, records: list[PromptRecord], rendered: list[list[int]], max_new_tokens: int,
+                  truncate: bool = False) -> tuple[list[list[int]], int]:
     """Every prompt plus ``max_new_tokens`` fits the model's context; else one error before any sampling.
 
     Past its context a model with learned positions fails (index out of range) and a RoPE model
-    runs silently on positions it never saw: both are refused.
+    runs silently on positions it never saw: both are refused, unless ``truncate`` (then a prompt
+    keeps its last tokens, the ones next to the response). Returns the prompts' token ids and how
+    many were cut.
     """
     limit = context_length(model)
     if limit is None:
-        return
+        return rendered, 0
     over = [(len(ids), r) for r, ids in zip(records, rendered) if len(ids) + max_new_tokens > limit]
-    if over:
-        n, worst = max(over, key=lambda x: x[0])
+    if not over:
+        return rendered, 0
+    keep = limit - max_new_tokens
+    n, worst = max(over, key=lambda x: x[0])
+    if truncate and keep >= 1:
+        return [ids[-keep:] if len(ids) > keep else ids for ids in rendered], len(over)
+    if truncate:
         raise FisherSelectError(
-            f"{len(over)} of {len(records)} prompts do not fit the model's context of {limit} positions with "
-            f"max_new_tokens={max_new_tokens}: the longest, {worst.describe()}, has {n} tokens; shorten or remove "
-            f"those prompts, or lower --max-new-tokens to {max(0, limit - n)} or less")
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context of {limit} "
+            f"positions; lower --max-new-tokens below {limit}")
+    raise FisherSelectError(
+        f"{len(over)} of {len(records)} prompts do not fit the model's context of {limit} positions with "
+        f"max_new_tokens={max_new_tokens}: the longest, {worst.describe()}, has {n} tokens; shorten or remove "
+        f"those prompts, lower --max-new-tokens to {max(0, limit - n)} or less, or pass --truncate-prompts "
+        f"to keep each prompt's last {max(0, keep)} tokens")

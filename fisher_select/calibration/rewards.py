@@ -11,7 +11,9 @@ import math
 import numbers
 import os
 import re
+import signal
 import sys
+import threading
 from typing import Callable
 
 from fisher_select.errors import FisherSelectError
@@ -25,6 +27,7 @@ _NUMBER = re.compile(
     r"(?:(?<![\w.])[-\u2212])?(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,]*\d)"
 )
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
+DEFAULT_TIMEOUT = 60.0  # seconds one call of a user reward may take before the calibration stops
 
 
 def last_number(text: str) -> float | None:
@@ -132,7 +135,8 @@ def load_callable(spec: str) -> Callable:
 _SPEC_KEYS = {
     "numeric_match": ({"answer_field"}, lambda s: numeric_match(s.get("answer_field", "answer"))),
     "regex": ({"pattern", "field"}, lambda s: regex_match(_required(s, "pattern"), s.get("field"))),
-    "callable": ({"function"}, lambda s: load_callable(_required(s, "function"))),
+    "callable": ({"function", "timeout"},
+                 lambda s: with_timeout(load_callable(_required(s, "function")), _timeout(s))),
 }
 
 
@@ -153,6 +157,42 @@ def make_reward(spec: dict) -> RewardFn:
     return build(spec)
 
 
+def _timeout(spec: dict) -> float:
+    value = spec.get("timeout", DEFAULT_TIMEOUT)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise FisherSelectError(f"reward spec {spec!r}: 'timeout' must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+class RewardTimeout(Exception):
+    """Raised inside a user reward that ran past its timeout (reported by ``evaluate_reward``)."""
+
+
+def with_timeout(fn: Callable, seconds: float) -> Callable:
+    """``fn`` stopped by SIGALRM after ``seconds`` per call (main thread on Unix; elsewhere unguarded).
+
+    A reward that hangs (a network call, an endless loop) would otherwise hold the calibration
+    forever; a thread could not be stopped, an alarm interrupts the Python code in the call.
+    """
+    def guarded(record, text):
+        if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+            return fn(record, text)
+
+        def expire(signum, frame):
+            raise RewardTimeout(f"took longer than its timeout of {seconds:g} s")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return fn(record, text)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    guarded.__name__ = getattr(fn, "__name__", repr(fn))
+    return guarded
+
+
 def _required(spec: dict, key: str):
     if not isinstance(spec.get(key), str) or not spec[key]:
         raise FisherSelectError(f"reward spec {spec!r} needs a string {key!r}")
@@ -166,6 +206,11 @@ def evaluate_reward(fn: RewardFn, record: PromptRecord, text: str) -> float:
         value = fn(record, text)
     except FisherSelectError:
         raise  # already says what is wrong and where
+    except RewardTimeout as err:
+        raise FisherSelectError(
+            f"reward {name} {err} on {record.describe()}; make it faster, or raise the reward's "
+            "'timeout' (seconds) in the recipe"
+        ) from None
     except Exception as err:
         raise FisherSelectError(
             f"reward {name} raised {type(err).__name__}: {err} on {record.describe()}; "

@@ -24,3 +24,23 @@ class CalibrationSettings:
         "help": "responses per sampling and backward batch, whole prompts of K at a time; trades memory for speed",
         "min": 1,
     })
+    truncate_prompts: bool = field(default=False, metadata={
+        "help": "cut prompts that do not fit the model's context with max_new_tokens to their last tokens "
+                "(counted in the report); default: refuse them before any sampling",
+    })
+    accumulators: str = field(default="full", metadata={
+        "help": "which fp32 accumulators the scoring keeps (each 4 bytes per parameter): full = squares F + "
+                "one signal sum g per objective + score sums (score-mean and autograd checks); gradient = F + g; "
+                "fisher = F alone (bounds need only F and S; no gradient estimate, no checks that need score sums)",
+        "choices": ("full", "gradient", "fisher"),
+    })
+    modules: str | None = field(default=None, metadata={
+        "help": "regular expression searched in each parameter name (as model.named_parameters() gives it): "
+                "accumulate F only for the matching parameters, e.g. 'layers\\.(1[6-9]|2[0-9])\\.' or "
+                "'q_proj|v_proj'; layers holding none are not hooked (default: every parameter)",
+    })
+    accumulate_on: str = field(default="device", metadata={
+        "help": "where the accumulators live: device (beside the weights) or cpu (host memory, pinned with CUDA; "
+                "for models whose fp32 accumulators do not fit beside the weights, at the cost of a copy per piece)",
+        "choices": ("device", "cpu"),
+    })

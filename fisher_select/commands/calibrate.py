@@ -17,6 +17,9 @@ def register(subparsers) -> None:
     p.add_argument("--recipe", default="rl-arithmetic", help="recipe file or shipped recipe name (default: rl-arithmetic)")
     p.add_argument("--out", required=True, help="run directory to write (atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from OUT.checkpoint/ (written every --checkpoint-every "
+                        "batches); starts from the beginning when there is none; same recipe and flags")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--all", dest="all_modules", action="store_true",
                    help="list every module in the summary (default: the top 15 by sum of sqrt(F))")
@@ -28,7 +31,8 @@ def main(args) -> int:
     path = find_recipe(args.recipe)
     recipe = load_recipe(path, {name: getattr(args, name) for name in args.overrides})
     result = run_recipe(recipe, args.out, overwrite=args.overwrite, progress=not args.no_progress,
-                        recipe_name=path.stem)
+                        recipe_name=path.stem, command_line=getattr(args, "command_line", None),
+                        resume=args.resume)
     if rank_world()[0] != 0:  # under torchrun / accelerate, rank 0 writes and reports
         return 0
     for line in summary_lines(result.report, top=None if args.all_modules else 15):

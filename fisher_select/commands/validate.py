@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fisher_select.commands import add_command
+from fisher_select.report.build import regenerate
 from fisher_select.training.loop import OPTIMIZERS
 from fisher_select.training.validate import ValidationOptions, summary_lines, validate
 
@@ -53,4 +56,7 @@ def main(args) -> int:
         print(line)
     if result.out is not None:
         print(f"wrote {result.out}")
+        if Path(result.out).resolve().parent == Path(args.run).resolve():  # the run's pages show its validations
+            for path in regenerate(args.run):
+                print(f"wrote {path}")
     return 0

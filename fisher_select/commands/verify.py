@@ -12,7 +12,7 @@ from fisher_select.rundir import compare_runs
 def register(subparsers) -> None:
     p = subparsers.add_parser("verify", help="compare two run directories tensor by tensor (reproducibility)",
                               description="Exit 0 when two runs hold bit-identical tensors, samples and report "
-                                          "(run id and time aside), 1 otherwise, listing each difference.")
+                                          "(run id, time and command line aside), 1 otherwise, listing each difference.")
     p.add_argument("run_a", help="a run directory")
     p.add_argument("run_b", help="another run directory")
     p.set_defaults(func=main)

@@ -169,7 +169,8 @@ class FisherMaskCallback(TrainerCallback):
     then in the optimizer but never get a gradient, which torch optimizers skip. The restore
     runs through the global optimizer step post-hook after every ``optimizer.step()``. Hooks are
     removed at ``on_train_end`` and put back by the next ``train()``; the fingerprint is checked
-    once, on first sight of the model (training changes the weights it samples).
+    once, on first sight of the model (training changes the weights it samples). Tested with TRL's
+    ``GRPOTrainer`` and ``SFTTrainer`` (tests/test_trl.py), with and without gradient checkpointing.
     """
 
     def __init__(self, masks):

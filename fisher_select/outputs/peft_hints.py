@@ -11,8 +11,11 @@ escaped full name matches exactly the modules the same ``target_modules`` entry 
 name itself (or the same name under an extra wrapper prefix), and nothing else.
 
 A LoraConfig object has no field for provenance, so the run id and model fingerprint live in the
-hints dict / JSON file (``fisher_select`` key) and are checked when a model is given
-(``lora_hints(..., model=m)``, ``load_lora_config(path, m)``). SHiRA configs carry them in their
+hints dict (``fisher_select`` key) and, on disk, in a sidecar: ``save_lora_config`` writes a
+directory holding ``adapter_config.json`` (LoraConfig fields only: ``LoraConfig.from_pretrained(dir)``
+loads it without the unknown-key warning an extra key would cause) and
+``fisher_select_provenance.json`` beside it. Both are checked when a model is given
+(``lora_hints(..., model=m)``, ``load_lora_config(dir, m)``). SHiRA configs carry them in their
 mask function, which refuses layers of any model other than the one it was built for.
 """
 
@@ -35,7 +38,7 @@ from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
 from fisher_select.rundir import ModuleEntry, Run, load_run
-from fisher_select.atomic import write_file
+from fisher_select.atomic import check_dir_target, write_dir
 from fisher_select.outputs.hint_settings import LoraHintSettings
 from fisher_select.outputs.selection import CAVEAT, top_k_mask
 
@@ -340,39 +343,95 @@ def _lora_fields(hints: dict) -> dict:
 
 def lora_config(run: "Run | str | os.PathLike", **hint_kwargs) -> "peft.LoraConfig":
     """``peft.LoraConfig`` built from ``lora_hints(run, **hint_kwargs)``."""
-    return peft.LoraConfig(**_lora_fields(lora_hints(run, **hint_kwargs)))
+    return lora_config_from_hints(lora_hints(run, **hint_kwargs))
+
+
+def lora_config_from_hints(hints: dict) -> "peft.LoraConfig":
+    """``peft.LoraConfig`` holding the LoraConfig fields of a ``lora_hints`` dict."""
+    return peft.LoraConfig(**_lora_fields(hints))
+
+
+# The files of a LoRA hint directory: PEFT's own config name, and the provenance sidecar beside it.
+ADAPTER_CONFIG = peft.utils.CONFIG_NAME  # "adapter_config.json"
+PROVENANCE_FILE = "fisher_select_provenance.json"
+PROVENANCE_FORMAT = "fisher_select.lora_provenance/1"
 
 
 def lora_config_dict(hints: dict) -> dict:
-    """An ``adapter_config.json``-style dict: PEFT's LoraConfig fields plus ``fisher_select``."""
-    fields = peft.LoraConfig(**_lora_fields(hints)).to_dict()
+    """The ``adapter_config.json`` dict of a hint: PEFT's LoraConfig fields, nothing else."""
+    fields = lora_config_from_hints(hints).to_dict()
     for key, value in fields.items():
         if isinstance(value, (set, frozenset)):
             fields[key] = sorted(value)
     fields["peft_type"] = peft.PeftType.LORA.value
     fields["target_modules"] = list(hints["target_modules"])  # keep mass order
-    fields["fisher_select"] = hints["fisher_select"]
     return fields
 
 
-def save_lora_config(hints: dict, path: "str | os.PathLike", *, overwrite: bool = False) -> Path:
-    """Write ``lora_config_dict(hints)`` as JSON, atomically."""
-    text = json.dumps(lora_config_dict(hints), indent=2) + "\n"
-    return write_file(Path(path), lambda tmp: tmp.write_text(text), overwrite=overwrite)
+def provenance_dict(hints: dict) -> dict:
+    """The sidecar of a hint: run id, model fingerprint, selection, ranks (``hints["fisher_select"]``)."""
+    return {"format": PROVENANCE_FORMAT, "adapter_config": ADAPTER_CONFIG, **hints["fisher_select"]}
+
+
+def check_lora_out(out: "str | os.PathLike", overwrite: bool) -> None:
+    """Refuse, before any work, an ``--out`` that is a .json file name or an existing directory."""
+    out = Path(out)
+    if out.suffix == ".json":
+        raise FisherSelectError(
+            f"--out {out} names a .json file, but a LoRA hint is a directory ({ADAPTER_CONFIG} + "
+            f"{PROVENANCE_FILE}, what LoraConfig.from_pretrained reads); pass a directory such as {out.with_suffix('')}"
+        )
+    check_dir_target(out, overwrite)
+
+
+def save_lora_config(hints: dict, out: "str | os.PathLike", *, overwrite: bool = False) -> Path:
+    """Write directory ``out``: ``adapter_config.json`` + ``fisher_select_provenance.json``, atomically.
+
+    ``peft.LoraConfig.from_pretrained(out)`` reads it as any adapter directory (no weights inside:
+    PEFT initialises the adapters); ``load_lora_config(out, model)`` also checks the model.
+    """
+    out = Path(out)
+    check_lora_out(out, overwrite)
+    config = json.dumps(lora_config_dict(hints), indent=2) + "\n"
+    provenance = json.dumps(provenance_dict(hints), indent=2) + "\n"
+
+    def write(tmp: Path) -> None:
+        (tmp / ADAPTER_CONFIG).write_text(config)
+        (tmp / PROVENANCE_FILE).write_text(provenance)
+
+    return write_dir(out, write, overwrite=overwrite)
 
 
 def load_lora_config(path: "str | os.PathLike", model) -> "peft.LoraConfig":
-    """Read a file written by ``save_lora_config`` for ``model``; refuses any other model."""
+    """Read a directory written by ``save_lora_config`` (or its adapter_config.json) for ``model``.
+
+    Refuses any model other than the calibrated one, and a sidecar that names other targets than
+    the config beside it. A single JSON file with an embedded ``fisher_select`` entry (release
+    0.1.0's ``lora --out FILE``) is still read.
+    """
     path = Path(path)
-    if not path.is_file():
+    config_file = path / ADAPTER_CONFIG if path.is_dir() else path
+    if not config_file.is_file():
         raise FisherSelectError(
-            f"LoRA config {path} does not exist; pass the --out file of `fisher-select lora`"
+            f"LoRA config {config_file} does not exist; pass the --out directory of `fisher-select lora` / `export --format peft`"
         )
-    fields = json.loads(path.read_text())
-    meta = fields.pop("fisher_select", None)
+    fields = json.loads(config_file.read_text())
+    meta = fields.pop("fisher_select", None)  # 0.1.0's single file
+    sidecar = config_file.with_name(PROVENANCE_FILE)
+    if meta is None and sidecar.is_file():
+        meta = json.loads(sidecar.read_text())
     if not isinstance(meta, dict) or "model" not in meta:
-        raise FisherSelectError(f"{path} was not written by `fisher-select lora` (no fisher_select entry)")
-    check_fingerprint(meta["model"].get("fingerprint"), model, f"LoRA config {path}")
+        raise FisherSelectError(
+            f"{config_file} has no {PROVENANCE_FILE} beside it; it was not written by fisher-select "
+            "(use peft.LoraConfig.from_pretrained for a foreign adapter config)"
+        )
+    targets = [t["name"] for t in meta.get("targets", [])]
+    if targets and sorted(targets) != sorted(fields.get("target_modules") or []):
+        raise FisherSelectError(
+            f"{sidecar} lists other targets than {config_file}; the config was edited or the files mixed up: "
+            "write the hint again with `fisher-select lora ... --overwrite`"
+        )
+    check_fingerprint(meta["model"].get("fingerprint"), model, f"LoRA config {config_file}")
     return peft.LoraConfig.from_peft_type(**fields)
 
 

@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from fisher_select.calibration.distributed import rank_world
+from fisher_select.calibration.rollouts import mismatch_warnings
 from fisher_select.caveats import CAVEATS
-from fisher_select.report import markdown, page
+from fisher_select.report import markdown, page, validation
 from fisher_select.report.statistics import (OFF_POLICY, STABLE, ReportStatistics, bound_ratio, concentration,
                                              module_of, module_spread, scale_uncertainty, score_mean_conformity,
                                              signal_diagnostics)
@@ -69,7 +71,7 @@ def module_table(fisher: dict[str, torch.Tensor], scale: float | None, types: di
 
 
 def build_report(cal, *, model: ModelInfo, recipe: dict | None, recipe_name: str | None, sampling: dict,
-                 settings: dict) -> RunReport:
+                 settings: dict, command_line: list[str] | None = None) -> RunReport:
     """The report of a finished calibration (``cal``: a ``Calibration``)."""
     objectives = [ObjectiveEntry.from_summary(o.name, o.summary, o.signal_scale, grad_file_for(i, o.name))
                   for i, o in enumerate(cal.objectives)]
@@ -77,6 +79,7 @@ def build_report(cal, *, model: ModelInfo, recipe: dict | None, recipe_name: str
     spread = module_spread(diag.unit_names, diag.unit_masses, diag.unit_counts) if diag else {}
     report = RunReport(
         run_id=new_run_id(), created=utc_now(), fisher_select_version=_version(), model=model,
+        environment=environment(), command_line=command_line,
         recipe=recipe_name, config=recipe, objectives=objectives,
         num_prompts=cal.num_prompts, num_samples=cal.num_samples, num_truncated=cal.num_truncated,
         samples_per_prompt=settings.get("samples_per_prompt"), max_new_tokens=settings.get("max_new_tokens"),
@@ -85,8 +88,9 @@ def build_report(cal, *, model: ModelInfo, recipe: dict | None, recipe_name: str
         modules=module_table(cal.fisher_for(None), cal.signal_scale, cal.coverage.get("module_types"), spread))
     stats = _file_statistics(cal, objectives, [o.grad_estimate for o in cal.objectives], cal.samples,
                              cal.num_prompts, diag.scale_terms if diag else None)
-    stats.conformity = score_mean_conformity(cal.fisher, cal.score_mean, cal.num_samples,
-                                             heavy_parameters(cal.fisher, cal.coverage))
+    if cal.score_mean:  # none without score sums (memory modes gradient / fisher: checks["memory"] says so)
+        stats.conformity = score_mean_conformity(cal.fisher, cal.score_mean, cal.num_samples,
+                                                 heavy_parameters(cal.fisher, cal.coverage))
     stats.stability = diag.split_half if diag else None
     report.statistics = stats.to_json()
     report.warnings = run_warnings(report)
@@ -107,7 +111,7 @@ def _file_statistics(view, objectives: list[ObjectiveEntry], grads: list[dict], 
         if scale_terms is not None and entry.signal_scale is not None:
             stats.uncertainty.append(scale_uncertainty(entry.name, scale_terms[i]))
         s = entry.signal_scale
-        if s is not None and math.isfinite(s) and s > 0 and grads[i] is not None:
+        if s is not None and math.isfinite(s) and s > 0 and grads[i]:  # {}: no signal sums kept (fisher mode)
             stats.bound_ratios.append(bound_ratio(entry.name, grads[i], view.fisher_for(entry.name), s))
         stats.signals.append(signal_diagnostics(entry, samples, num_prompts))
     return stats
@@ -139,14 +143,38 @@ def regenerate(path: "str | Path") -> list[Path]:
     samples = [json.loads(line) for line in samples_file.read_text().splitlines() if line.strip()] \
         if samples_file.is_file() else []
     report = refresh_report(run, grads, samples)
+    checked = validation.load_validations(run.path)  # what `fisher-select validate` measured, if anything
     writers = {REPORT_FILE: lambda tmp: write_json(tmp, report.to_json()),
-               MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report),
-               HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples)}
+               MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report, checked),
+               HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples, validations=checked)}
     return [write_file(run.path / name, writer, overwrite=True) for name, writer in writers.items()]
 
 
 def _load_grad(path: Path) -> dict | None:
     return load_file(str(path)) if path.is_file() else None
+
+
+# Libraries whose release can change the numbers (kernels, tokenizers, loaders) or the outputs' format.
+_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "peft", "accelerate", "numpy", "bitsandbytes")
+
+
+def environment() -> dict:
+    """Where the run was made: Python, platform, library versions (None: not installed), ranks.
+
+    (The device and dtype are the recipe's, in ``config``.)
+    """
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "libraries": {name: installed(name) for name in _LIBRARIES},
+            "world_size": rank_world()[1]}
 
 
 def _version() -> str:
@@ -191,11 +219,16 @@ RELATIVE_STDERR_WARN = 0.5  # standard error of S relative to S
 
 def run_warnings(report: RunReport) -> list[str]:
     """Degenerate or unreliable results, each with its number and what to do."""
-    out = []
+    out = mismatch_warnings(report.checks.get("rollouts"))  # first: off-policy rollouts estimate another Fisher
     if report.truncation_rate > TRUNCATION_WARN:
         out.append(f"{report.truncation_rate:.0%} of responses were cut at max_new_tokens: a cut "
                    "response is not a full sample of the model, so F describes the truncated distribution; "
                    "raise --max-new-tokens if training uses longer responses")
+    cut = report.checks.get("prompts_truncated")
+    if cut:
+        out.append(f"{cut} of {report.num_prompts} prompts were cut to their last tokens to fit the model's context "
+                   "(--truncate-prompts): those prompts lost their beginning; shorten them to calibrate on them whole")
+    out += list(report.checks.get("memory", {}).get("missing", []))  # what a reduced memory mode left out
     stats = ReportStatistics.from_json(report.statistics)
     if stats.conformity is not None:  # the share of |z| > 3, robust to heavy-tailed embedding scores
         if stats.conformity.verdict == OFF_POLICY:

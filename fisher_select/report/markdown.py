@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fisher_select.report import validation
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
                                        ranked_modules, scale_text, uncertainty_of)
@@ -18,7 +19,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
                                                                            for r in cells]
 
 
-def markdown_text(report: RunReport) -> str:
+def markdown_text(report: RunReport, validations=()) -> str:
     stats = ReportStatistics.from_json(report.statistics)
     out = [f"# fisher_select run {report.run_id}", "", "## What these numbers do not promise", ""]
     out += [f"- {c}" for c in caveat_block(report)]
@@ -32,6 +33,7 @@ def markdown_text(report: RunReport) -> str:
             f"Autograd check: max relative error {fmt(report.checks.get('autograd', {}).get('max_relative_error'))}."]
     out += _objectives(report, stats) + _conformity(stats) + _stability(stats) + _concentration(stats)
     out += _ratios(stats) + _signals(stats) + _modules(report)
+    out += validation.markdown_lines(list(validations))  # RUN/validation-*/validation.json
     return "\n".join(out) + "\n"
 
 
@@ -99,5 +101,5 @@ def _modules(report) -> list[str]:
     return out + _table(list(MODULE_COLUMNS), [module_cells(m) for m in ranked])
 
 
-def write_markdown(path: Path, report: RunReport) -> None:
-    Path(path).write_text(markdown_text(report))
+def write_markdown(path: Path, report: RunReport, validations=()) -> None:
+    Path(path).write_text(markdown_text(report, validations))

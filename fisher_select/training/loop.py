@@ -86,6 +86,12 @@ class Batch:
     outcome: float  # the step's objective value (mean reward, mean NLL, ...) on these rows
     groups: list[list[int]] = field(default_factory=list)  # row indices per prompt group (split points)
 
+    def rows_with_signal(self) -> int:
+        """Rows whose loss weights are not all 0 (RL: a prompt whose K rewards are equal trains nothing)."""
+        if self.weights is None:
+            return len(self.rows)
+        return sum(int(bool((w != 0).any())) for w in self.weights)
+
     def part(self, group_ids: list[int]) -> "Batch":
         """The sub-batch of some prompt groups (a batch half keeps its groups whole)."""
         idx = [i for g in group_ids for i in self.groups[g]]
@@ -299,7 +305,8 @@ def train(model, task, settings: TrainSettings, *, masks: dict | None = None, pr
             optimizer.zero_grad(set_to_none=True)
             loss = backward(model, batch, task.pad, settings.batch_size)
             optimizer.step()
-            log.append({"step": step, "loss": loss, "outcome": batch.outcome})
+            log.append({"step": step, "loss": loss, "outcome": batch.outcome, "rows": len(batch.rows),
+                        "rows_with_signal": batch.rows_with_signal()})
         optimizer.zero_grad(set_to_none=True)
         return log
     finally:

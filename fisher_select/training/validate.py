@@ -195,28 +195,13 @@ class _Validation:
         s = self.settings
         count = self.options.first_step_prompts or 2 * s.prompts_per_step
         batch = self.task.batch(count, Streams.from_seed(s.seed + FIRST_STEP_STREAM, self.setup.device))
-        half = len(batch.groups) // 2
-        parts = [batch.part(list(range(half))), batch.part(list(range(half, len(batch.groups))))]
-        grads, sizes = [], []
-        for part in parts:
-            self.model.zero_grad(set_to_none=True)
-            backward(self.model, part, self.task.pad, s.batch_size)
-            grads.append(gradients(self.model))
-            sizes.append(len(part.rows))
-        n1, n2 = sizes
-        # the whole batch's mean gradient; its noise: (g1 - g2) sqrt(n1 n2)/(n1 + n2) has its variance
-        noise = {k: (grads[0][k] - grads[1][k]).abs() * (math.sqrt(n1 * n2) / (n1 + n2)) for k in grads[0]}
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.grad = ((n1 * grads[0][name] + n2 * grads[1][name]) / (n1 + n2)).to(p.device, p.dtype)
-        del grads
-        torch.optim.SGD([p for p in self.model.parameters() if p.grad is not None], lr=s.lr).step()
-        delta = movement(self.model, self.theta0)
-        restore(self.model, self.theta0)
+        grad, noise, rows = split_half_gradient(self.model, batch, self.task.pad, s.batch_size)
+        delta = sgd_step(self.model, grad, s.lr, self.theta0)
+        del grad
         first = self._first_step_result(delta, noise)
         del delta, noise
         adam = self._adam_aware(batch) if self.options.adam_aware else None
-        return first, adam, n1 + n2
+        return first, adam, rows
 
     def _scale(self) -> tuple[float | None, str]:
         """The run's S when it belongs to the trained objective (else None) and why not."""
@@ -242,31 +227,13 @@ class _Validation:
         return out
 
     def _adam_aware(self, batch) -> Reduced:
-        """|m| / sqrt(m^2 + Var/B): the signal-to-noise of a B-row minibatch gradient, per coordinate.
-
-        m and the per-row second moment come from the engine's exact per-sample sums on the first-step
-        batch (rows weighted by their signal, so per-row gradients are a_n h_n). Adam steps a coordinate
-        by about lr * E[g_B] / sqrt(E[g_B^2]); ``E[g_B^2] = m^2 + Var/B`` (finite-population corrected
-        for demonstrations drawn without replacement). Beyond the seed's bound: a measured heuristic.
-        """
-        cov, sums = plan_coverage(self.model), None
-        for i in range(0, len(batch.rows), self.settings.batch_size):
-            rows = batch.rows[i : i + self.settings.batch_size]
-            ids, mask, resp = pad_rows(rows, self.task.pad, self.setup.device)  # (B, T)
-            tw = None if batch.weights is None else token_weights(
-                rows, batch.weights[i : i + self.settings.batch_size], ids.shape[1], self.setup.device)
-            sums = score_sums(self.model, ids, mask, resp, token_weights=tw, coverage=cov, into=sums)
-        n, rows = sums.count, self.task.step_rows(self.settings.prompts_per_step)
-        pop = self.task.population
-        fpc = 1.0 if pop is None else (max(pop - rows, 0) / max(pop - 1, 1))
-
-        def snr(name):
-            m = sums.total[name] / n
-            var = (sums.squares[name] / n - m.square()).clamp_min(0)
-            denom = (m.square() + fpc * var / rows).sqrt()
-            return torch.where(denom > 0, m.abs() / torch.where(denom > 0, denom, 1.0), 0.0)
-
-        return reduce({name: snr(name) for name in sums.total}, self.sub)
+        """The Adam-aware ranking (beyond the seed's bound): ``minibatch_snr`` of a training-size
+        minibatch, from the exact per-row sums on the first-step batch."""
+        sums = row_score_sums(self.model, batch, self.task.pad, self.settings.batch_size)
+        rows = self.task.step_rows(self.settings.prompts_per_step)
+        snr = {name: minibatch_snr(sums.total[name], sums.squares[name], sums.count, rows, self.task.population)
+               for name in sums.total}
+        return reduce(snr, self.sub)
 
     def _single_batch(self) -> Reduced:
         """|gradient| of one training-size batch at the start, drawn from its own stream."""
@@ -358,8 +325,12 @@ class _Validation:
     def _entry(self, scores: torch.Tensor, module_scores: dict, moved: Reduced, modules, target, seed, how: str,
                curves: dict, label: str) -> dict:
         metrics, curves[label] = ranking_metrics(scores, self.realized, seed + 1, CURVE_FRACTIONS)
-        return {"how": how, **metrics, "spearman_modules": spearman([module_scores.get(m, 0.0) for m in modules],
-                                                                     target)}
+        entry = {"how": how, **metrics, "spearman_modules": spearman([module_scores.get(m, 0.0) for m in modules],
+                                                                      target)}
+        if scores.numel() and bool((scores == scores[0]).all()):  # e.g. a zero gradient: no ranking at all
+            entry["degenerate"] = ("every score is equal (e.g. a batch without signal gives a zero gradient): this "
+                                   "ranking is random tie-breaking, its metrics are chance by construction")
+        return entry
 
     def _baselines(self, moved, modules, target, single, second, seed, curves) -> dict:
         names, sub = self.sub.names, self.sub
@@ -449,9 +420,89 @@ class _Validation:
         if len(self.run.objectives) > 1:
             out.append(f"trained on the primary objective {self.setup.objective.name!r} only; the run has "
                        f"{len(self.run.objectives)} objectives")
+        silent = sum(e["rows"] - e["rows_with_signal"] for log in self.logs.values() for e in log)
+        total = sum(e["rows"] for log in self.logs.values() for e in log)
+        if total and silent > total / 2:
+            out.append(f"{silent} of {total} training rows carried no signal (e.g. every reward of their prompt "
+                       "equal): movement rests on few samples, so every ranking's metrics are noisy")
+        cut = self.run.report.truncation_rate
+        if cut > 0.1:
+            out.append(f"{cut:.0%} of the calibration's responses were cut at max_new_tokens: F describes the "
+                       "truncated distribution")
         if not self.setup.eval_disjoint:
             out.append("no prompt was left after the calibration's: the held-out outcome reuses the training prompts")
         return out
+
+
+def split_half_gradient(model, batch, pad: int, micro: int):
+    """(the batch's mean loss gradient, an estimate of its noise, rows), parameter-keyed fp32 CPU tensors.
+
+    The batch is split into two halves of whole prompt groups (groups are independent; rows inside
+    one are not, through the leave-one-out baseline), with mean gradients g1 (n1 rows) and g2 (n2).
+    The whole batch's mean is ``(n1 g1 + n2 g2) / (n1 + n2)``, of variance ``sigma^2 / (n1 + n2)``;
+    ``|g1 - g2| sqrt(n1 n2) / (n1 + n2)`` has that same variance and zero mean: one draw of the noise.
+    """
+    half = len(batch.groups) // 2
+    if half == 0:
+        raise FisherSelectError("the first-step batch needs at least two prompt groups (it is split in halves)")
+    grads, sizes = [], []
+    for part in (batch.part(list(range(half))), batch.part(list(range(half, len(batch.groups))))):
+        model.zero_grad(set_to_none=True)
+        backward(model, part, pad, micro)
+        grads.append(gradients(model))
+        sizes.append(len(part.rows))
+    model.zero_grad(set_to_none=True)
+    n1, n2 = sizes
+    mean = {k: (n1 * grads[0][k] + n2 * grads[1][k]) / (n1 + n2) for k in grads[0]}
+    noise = {k: (grads[0][k] - grads[1][k]).abs() * (math.sqrt(n1 * n2) / (n1 + n2)) for k in grads[0]}
+    return mean, noise, n1 + n2
+
+
+def sgd_step(model, grad: dict, lr: float, start: dict) -> dict:
+    """Take one plain SGD step along ``grad`` from ``start``; return ``|delta|`` (fp32) and restore ``start``."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.grad = grad[name].to(p.device, p.dtype)
+    torch.optim.SGD(list(model.parameters()), lr=lr).step()
+    delta = movement(model, start)
+    restore(model, start)
+    return delta
+
+
+def row_score_sums(model, batch, pad: int, micro: int):
+    """Exact sums over the batch's rows of the per-row gradients ``u_n`` and of ``u_n^2`` (engine hooks).
+
+    ``u_n`` is the gradient of row n's weighted log-probability ``sum_t w_{n,t} log pi(y_t|s_t)``:
+    ``a_n h_n`` for a sequence-level signal, ``sum_t A_t h_t`` at token level, ``h_n`` for a
+    demonstration (no weights). So ``total / count`` is the mean step direction (up to sign) and
+    ``squares / count`` its per-row second moment.
+    """
+    cov, sums = plan_coverage(model), None
+    device = next(model.parameters()).device
+    for i in range(0, len(batch.rows), micro):
+        rows = batch.rows[i : i + micro]
+        ids, mask, resp = pad_rows(rows, pad, device)  # (B, T) each
+        tw = None if batch.weights is None else token_weights(rows, batch.weights[i : i + micro], ids.shape[1], device)
+        sums = score_sums(model, ids, mask, resp, token_weights=tw, coverage=cov, into=sums)
+    return sums
+
+
+def minibatch_snr(total: torch.Tensor, squares: torch.Tensor, count: int, rows: int,
+                  population: int | None) -> torch.Tensor:
+    """Per coordinate ``|m| / sqrt(m^2 + c Var / B)``: the signal-to-noise of a B-row minibatch gradient.
+
+    ``m = total / count`` and ``Var = squares / count - m^2`` are the per-row mean and (plug-in)
+    variance over ``count`` rows; ``B = rows`` rows per training step. Adam's step is about
+    ``lr E[g_B] / sqrt(E[g_B^2])`` and ``E[g_B^2] = m^2 + c Var / B``. ``c`` is the finite-population
+    correction ``(N - B) / (N - 1)`` when steps draw B of N rows without replacement (demonstrations;
+    ``population`` = N), else 1. Coordinates with no gradient at all score 0. Same shape as ``total``.
+    """
+    c = 1.0 if population is None else max(population - rows, 0) / max(population - 1, 1)
+    m = total.double() / count
+    var = (squares.double() / count - m.square()).clamp_min(0)  # rounding can make it slightly negative
+    denom = (m.square() + c * var / rows).sqrt()
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))  # 0/0 where nothing moved the coordinate
+    return torch.where(denom > 0, m.abs() / safe, torch.zeros_like(denom)).float()
 
 
 def global_top_masks(scores: dict[str, torch.Tensor], density: float) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ class Group:
     texts: list[str]
     logprobs: list[float]  # log pi(y|x), fp32 summed, from sampling
     ended: list[bool] = field(default_factory=list)  # False: truncated at max_new_tokens
+    rollout: list = field(default_factory=list)  # from a rollout file: per response its rollouts.RolloutRow
 
 
 @dataclass

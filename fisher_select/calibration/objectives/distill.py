@@ -94,7 +94,7 @@ class OPDPGObjective(TeacherObjective):
     )
 
     def signals(self, group: Group, ctx: Context) -> GroupSignal:
-        log_t = self._ready(ctx).sequence_logprobs(group)  # (K,) float64
+        log_t = self.sequence_logprobs(group, ctx)  # (K,) float64
         if torch.isnan(log_t).any():
             raise FisherSelectError(f"{self.teacher.name} gave NaN log-probabilities on {group.record.describe()}")
         sigma = log_t - torch.tensor(group.logprobs, dtype=torch.float64)  # (K,)

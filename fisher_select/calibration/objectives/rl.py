@@ -9,6 +9,7 @@ import torch
 from fisher_select.calibration.objectives.registry import register_objective
 from fisher_select.errors import FisherSelectError
 from fisher_select.calibration.rewards import evaluate_reward, make_reward
+from fisher_select.calibration.rollouts import given_values
 from fisher_select.calibration.objectives.base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance
 
 
@@ -41,8 +42,10 @@ class RLObjective(Objective):
             self.scale_formula = "E_x Var_pi(r|x)  (unbiased within-prompt variance, divisor K-1)"
 
     def signals(self, group: Group, ctx: Context) -> GroupSignal:
+        given = given_values(group, "reward", self.name)  # a rollout file's rewards win over the reward function
         rewards = torch.tensor(
-            [evaluate_reward(self.reward, group.record, t) for t in group.texts], dtype=torch.float64
+            given if given is not None else [evaluate_reward(self.reward, group.record, t) for t in group.texts],
+            dtype=torch.float64,
         )
         var = unbiased_variance(rewards)
         signal = leave_one_out(rewards)
@@ -61,7 +64,9 @@ class RLObjective(Objective):
 class RLConfig:
     """Recipe keys of an ``rl`` objective."""
 
-    reward: dict = field(metadata={"help": 'the reward: {"type": "numeric_match" | "regex" | "callable", ...}'})
+    reward: dict = field(metadata={"help": 'the reward: {"type": "numeric_match" | "regex" | "callable", ...}; '
+                                           'callable: "function": "module:function" (runs that code) and '
+                                           '"timeout": seconds per call (default 60)'})
     normalize: str = field(default="none", metadata={
         "help": '"none" (a = r - rbar) or "grpo" (advantages divided by the group\'s reward std)'})
     name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})

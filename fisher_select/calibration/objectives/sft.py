@@ -76,7 +76,7 @@ class SFTObjective(TeacherObjective):
     role = "demonstrator"
 
     def signals(self, group: Group, ctx: Context) -> GroupSignal:
-        log_nu = self._ready(ctx).sequence_logprobs(group)  # (K,) float64, -inf allowed
+        log_nu = self.sequence_logprobs(group, ctx)  # (K,) float64, -inf allowed
         if torch.isnan(log_nu).any():
             raise FisherSelectError(f"{self.teacher.name} gave NaN log-probabilities on {group.record.describe()}")
         log_w = log_nu - torch.tensor(group.logprobs, dtype=torch.float64)  # (K,)

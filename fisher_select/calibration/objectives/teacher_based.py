@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from fisher_select.calibration.objectives.base import Context, Objective
+import torch
+
+from fisher_select.calibration.objectives.base import Context, Group, Objective
+from fisher_select.calibration.rollouts import given_values
 from fisher_select.calibration.teachers import Teacher, TeacherConfig, describe_teacher, resolve_teacher
 
 
@@ -23,6 +26,13 @@ class TeacherObjective(Objective):
         if self.teacher is None:  # used outside calibrate()
             self.prepare(ctx, [])
         return self.teacher
+
+    def sequence_logprobs(self, group: Group, ctx: Context) -> torch.Tensor:
+        """(K,) float64 log T(y|x): a rollout file's teacher log-probs when it has them, else the teacher's."""
+        given = given_values(group, "teacher_logprob", self.name)
+        if given is not None:
+            return torch.tensor(given, dtype=torch.float64)
+        return self._ready(ctx).sequence_logprobs(group)
 
     def describe(self) -> dict:
         return {**super().describe(), self.role: describe_teacher(self.spec)}

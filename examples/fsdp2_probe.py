@@ -1,0 +1,79 @@
+"""What FSDP2 (``torch.distributed.fsdp.fully_shard``) does with fisher_select's engine, on CPU with gloo.
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 2 examples/fsdp2_probe.py
+
+Run from the checkout root (it builds the tiny Llama of ``tests/tiny.py``). Three checks, each rank
+printing its own lines (docs/SCALING.md records the output and what it means):
+
+1. training gradients of the sharded model equal a single process's (every rank, same batch);
+2. today's ``score_sums`` on the sharded model, each rank scoring its own rows: the accumulators
+   it returns are full-shape tensors (the layer hooks see the all-gathered weights), and their sum
+   over ranks equals the single-process sums over all rows (fp32 summation order aside);
+3. ``generate`` when ranks stop at different lengths: with ``synced_gpus=True`` every rank keeps
+   running forwards (FSDP2 all-gathers inside each one) until all are done.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.getcwd())  # tests.tiny from the checkout
+from tests.tiny import random_batch, tiny_model  # noqa: E402
+
+from fisher_select.engine.scoring import score_sums  # noqa: E402
+
+
+def sharded(mesh):
+    model = tiny_model("llama-untied")  # same seed on every rank: the same weights
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    say = lambda text: print(f"rank {rank}: {text}", flush=True)  # noqa: E731
+
+    ids, attn, resp, signal = random_batch(batch=2 * world)
+    ref = tiny_model("llama-untied")
+    ref(input_ids=ids, labels=ids).loss.backward()
+    model = sharded(mesh)
+    model(input_ids=ids, labels=ids).loss.backward()
+    diff = max(float((p.grad.full_tensor() - q.grad).abs().max())
+               for p, q in zip(model.parameters(), ref.parameters()))
+    say(f"1. training gradients vs 1 process: max |diff| {diff:.3e}")
+
+    single = score_sums(tiny_model("llama-untied"), ids, attn, resp, signal)
+    rows = slice(2 * rank, 2 * rank + 2)  # this rank's own samples
+    mine = score_sums(sharded(mesh), ids[rows], attn[rows], resp[rows], signal[rows])
+    kinds = {type(t).__name__ for t in mine.squares.values()}
+    full = all(tuple(t.shape) == tuple(single.squares[n].shape) for n, t in mine.squares.items())
+    worst = 0.0
+    for name, t in mine.squares.items():
+        summed = t.clone()
+        dist.all_reduce(summed)
+        scale = float(single.squares[name].abs().max()) or 1.0
+        worst = max(worst, float((summed - single.squares[name]).abs().max()) / scale)
+    say(f"2. score_sums accumulators: {sorted(kinds)}, full shape on every rank: {full}; "
+        f"all-reduced vs 1 process: max relative diff {worst:.3e}")
+
+    torch.manual_seed(rank)
+    prompt = torch.randint(2, 64, (2, 5 + rank))
+    out = sharded(mesh).generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0,
+                                 max_new_tokens=8 - 4 * rank, synced_gpus=True, pad_token_id=1)
+    say(f"3. generate with synced_gpus=True, {8 - 4 * rank} new tokens asked: output {tuple(out.shape)}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

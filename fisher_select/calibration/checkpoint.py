@@ -1,0 +1,227 @@
+"""Checkpoints of a calibration pass, so ``calibrate --resume`` continues after a kill (SIGKILL included).
+
+Every ``checkpoint_every`` prompt batches the calibrator's whole state is written: the fp32
+accumulators (F squares, score and signal sums, the token-level and split-half ones), the
+sampling and sign generators' exact states, the objectives' statistics, the checks and the sample
+records. Tensors go to safetensors, the rest to JSON: nothing is pickled, nothing is loaded with
+``torch.load``. A resumed pass restores that state and runs the remaining batches with the same
+operations in the same order, so on the CPU its result is bit-identical to an uninterrupted run.
+
+Layout (beside the run directory ``OUT``)::
+
+    OUT.checkpoint/rank-000-of-001/batch-000004/{manifest.json, tensors.safetensors, samples.jsonl}
+
+Each checkpoint directory is written atomically (``atomic.write_dir``: complete or absent), the
+older ones are removed only after the newer one is in place, and the newest complete one is
+resumed. Under torchrun each rank checkpoints its own shard of prompts (ranks never communicate
+before the final merge, so no gathering is needed); a resume needs the same number of ranks.
+The manifest records what the state depends on (settings, objectives, prompts, model); a
+checkpoint of another calibration is refused, naming what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from fisher_select.atomic import write_dir
+from fisher_select.engine.scoring import ScoreSums
+from fisher_select.errors import FisherSelectError
+from fisher_select.rundir import save_tensors
+
+FORMAT = 1
+MANIFEST, TENSORS, SAMPLES = "manifest.json", "tensors.safetensors", "samples.jsonl"
+_BATCH_DIR = re.compile(r"^batch-(\d{6})$")
+_SUMS = ("squares", "total", "signal")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go, how often, and whether to continue from one."""
+
+    folder: Path  # OUT.checkpoint: one subfolder per rank
+    every: int | None = None  # prompt batches between checkpoints; None: write none
+    resume: bool = False  # continue from the newest checkpoint in ``folder`` when there is one
+    discard_existing: bool = False  # not resuming: remove an old checkpoint instead of refusing to start
+    model_id: str | None = None  # the model's fingerprint id (computed from the model when None)
+    keep_when_done: bool = False  # True: the caller discards them once the result is safely written
+
+
+def checkpoint_folder(out: Path) -> Path:
+    """``OUT.checkpoint`` beside the run directory ``OUT``."""
+    out = Path(out)
+    return out.with_name(out.name + ".checkpoint")
+
+
+def digest(obj) -> str:
+    """sha256 of a JSON-able object (the manifest's record of prompts and objectives)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Checkpointer:
+    """One rank's checkpoints: write every ``every`` batches, find and check the newest, discard."""
+
+    def __init__(self, cfg: CheckpointConfig, rank: int, world: int, key: dict):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.key = {"format": FORMAT, "rank": rank, "world": world, **key}
+        self.dir = rank_folder(cfg, rank, world)
+        self._check_start()
+
+    def _check_start(self) -> None:
+        others = [p.name for p in Path(self.cfg.folder).glob("rank-*") if p.is_dir() and p != self.dir]
+        if self.cfg.resume and not self._newest() and others:
+            raise FisherSelectError(
+                f"checkpoint folder {self.cfg.folder} holds {', '.join(sorted(others))} but this is rank {self.rank} "
+                f"of {self.world}: resume with the number of processes that wrote it")
+        if not self.cfg.resume and self._newest() is not None:
+            if not self.cfg.discard_existing:
+                raise FisherSelectError(
+                    f"{self._newest()} is the checkpoint of an interrupted calibration: pass --resume to continue it, "
+                    f"or --overwrite to start over (it is deleted), or remove {self.cfg.folder}")
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _newest(self) -> Path | None:
+        if not self.dir.is_dir():
+            return None
+        done = [p for p in self.dir.iterdir() if _BATCH_DIR.match(p.name) and (p / MANIFEST).is_file()]
+        return max(done, key=lambda p: p.name) if done else None
+
+    def due(self, batches_done: int, total: int) -> bool:
+        every = self.cfg.every
+        return every is not None and batches_done < total and batches_done % every == 0
+
+    def save(self, batches_done: int, tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict]) -> Path:
+        """Write one checkpoint atomically, then remove the older ones."""
+        def writer(tmp: Path) -> None:
+            save_tensors(tmp / TENSORS, tensors)
+            with open(tmp / SAMPLES, "w") as fh:
+                fh.writelines(json.dumps(s) + "\n" for s in samples)
+            manifest = {**self.key, "batches_done": batches_done, "state": meta}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # written last: its presence marks completion
+
+        target = write_dir(self.dir / f"batch-{batches_done:06d}", writer, overwrite=True)
+        for old in self.dir.iterdir():
+            if _BATCH_DIR.match(old.name) and old.name < target.name:
+                shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def load(self) -> tuple[int, dict[str, torch.Tensor], dict, list[dict]] | None:
+        """(batches done, tensors on the CPU, state, samples) of the newest checkpoint; None if none or not resuming."""
+        path = self._newest() if self.cfg.resume else None
+        if path is None:
+            return None
+        manifest = json.loads((path / MANIFEST).read_text())
+        differ = [k for k in sorted(set(self.key) | set(manifest) - {"batches_done", "state"})
+                  if manifest.get(k) != self.key.get(k)]
+        if differ:
+            raise FisherSelectError(
+                f"checkpoint {path} belongs to another calibration (it differs in {', '.join(differ)}): resume with "
+                f"the same model, prompts, objectives and settings, or remove {self.cfg.folder} to start over")
+        samples = [json.loads(line) for line in (path / SAMPLES).read_text().splitlines() if line]
+        return manifest["batches_done"], load_file(str(path / TENSORS)), manifest["state"], samples
+
+    def discard(self) -> None:
+        """After the result is complete: this rank's checkpoints go (and the folder, once empty)."""
+        _discard(self.cfg, self.rank, self.world)
+
+
+def finish(cfg: CheckpointConfig, rank: int, world: int) -> None:
+    """After rank 0 wrote the run directory: every rank removes its checkpoints (``keep_when_done``)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank discards its state before the run is safely written
+    _discard(cfg, rank, world)
+
+
+def rank_folder(cfg: CheckpointConfig, rank: int, world: int) -> Path:
+    return Path(cfg.folder) / f"rank-{rank:03d}-of-{world:03d}"
+
+
+def _discard(cfg: CheckpointConfig, rank: int, world: int) -> None:
+    shutil.rmtree(rank_folder(cfg, rank, world), ignore_errors=True)
+    try:
+        Path(cfg.folder).rmdir()
+    except OSError:  # other ranks' checkpoints are still there, or it never existed
+        pass
+
+
+# ---------------------------------------------------------------------------
+# The calibrator's state as flat tensors + JSON, and back
+
+
+def _put_sums(out: dict, prefix: str, sums: ScoreSums | None) -> dict | None:
+    """Flatten ``sums`` into ``out`` under ``prefix``; returns what JSON keeps (count, which sums exist)."""
+    if sums is None:
+        return None
+    kinds = [k for k in _SUMS if getattr(sums, k) is not None]
+    for kind in kinds:
+        for name, t in getattr(sums, kind).items():
+            out[f"{prefix}/{kind}/{name}"] = t
+    return {"count": sums.count, "kinds": kinds}
+
+
+def _take(tensors: dict, head: str, names, place) -> dict[str, torch.Tensor]:
+    """The tensors under ``head``, in the order of ``names`` (the coverage's): safetensors sorts its keys,
+    and ranks all-reduce these dicts in iteration order, which must be the same everywhere."""
+    return {n: place(n, tensors[head + n]) for n in names if head + n in tensors}
+
+
+def _take_sums(tensors: dict, prefix: str, info: dict | None, names, place) -> ScoreSums | None:
+    if info is None:
+        return None
+    parts = {k: None for k in _SUMS}
+    for kind in info["kinds"]:
+        parts[kind] = _take(tensors, f"{prefix}/{kind}/", names, place)
+    return ScoreSums(parts["squares"], parts["signal"], parts["total"], info["count"])
+
+
+def capture(cal) -> tuple[dict[str, torch.Tensor], dict]:
+    """The state of a ``calibrator._Calibrator`` between batches: (tensors, JSON-able state)."""
+    tensors = {"rng/sampling": cal.generator.get_state()}
+    meta = {"sums": _put_sums(tensors, "sums", cal.sums), "checks": cal.checks,
+            "stats": [s.to_dict() for s in cal.stats]}
+    if cal.token is not None:
+        tensors["rng/signs"] = cal.token.signs.get_state()
+        meta["token"] = {"squares": _put_sums(tensors, "token", cal.token.squares),
+                         "grads": [_put_sums(tensors, f"token_grad{j}", g) for j, g in enumerate(cal.token.grads)]}
+    if cal.stability is not None:
+        st = cal.stability
+        for name, t in (st.squares_a or {}).items():
+            tensors[f"half_a/{name}"] = t
+        meta["stability"] = {"samples": st.samples, "prompts": st.prompts, "unit_masses": st.unit_masses,
+                             "unit_counts": st.unit_counts, "running": st._running, "has_a": st.squares_a is not None}
+    return tensors, meta
+
+
+def restore(cal, tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict]) -> None:
+    """Put a captured state back into a freshly built calibrator (same settings, checked by the manifest)."""
+    where = getattr(getattr(cal, "memory", None), "device", None)  # accumulators kept on the CPU by a memory mode
+
+    def place(name: str, t: torch.Tensor) -> torch.Tensor:
+        param = cal.cov.params.get(name)
+        return t.to(where or (param.device if param is not None else cal.device))
+
+    cal.generator.set_state(tensors["rng/sampling"])
+    names = list(cal.cov.shapes)
+    cal.sums = _take_sums(tensors, "sums", meta["sums"], names, place)
+    cal.checks = meta["checks"]
+    cal.stats = [type(s).from_dict(d) for s, d in zip(cal.stats, meta["stats"])]
+    cal.samples = samples
+    if cal.token is not None:
+        cal.token.signs.set_state(tensors["rng/signs"])
+        cal.token.squares = _take_sums(tensors, "token", meta["token"]["squares"], names, place)
+        cal.token.grads = [_take_sums(tensors, f"token_grad{j}", g, names, place)
+                           for j, g in enumerate(meta["token"]["grads"])]
+    if cal.stability is not None:
+        st, info = cal.stability, meta["stability"]
+        st.samples, st.prompts, st.unit_masses = info["samples"], info["prompts"], info["unit_masses"]
+        st.unit_counts, st._running = info["unit_counts"], info["running"]
+        st.squares_a = _take(tensors, "half_a/", names, place) if info["has_a"] else None

@@ -1,0 +1,76 @@
+"""``fisher-select export RUN --format axolotl|peft``: a run as another trainer's config.
+
+A thin layer over ``fisher_select.outputs.export``: axolotl's ``unfrozen_parameters`` YAML (the
+list Spectrum writes) or a PEFT adapter-config directory (the same as ``fisher-select lora``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fisher_select.atomic import refuse_existing
+from fisher_select.commands import add_command
+from fisher_select.commands.lora import RANK_FLAGS, add_lora_arguments, hint_kwargs, write_lora
+from fisher_select.errors import FisherSelectError
+from fisher_select.outputs.export import FORMATS, UnfreezeSettings, save_unfrozen_parameters, unfrozen_parameters
+from fisher_select.validation import add_dataclass_arguments
+
+AXOLOTL_FLAGS = ("mass", "top_modules", "objective")
+PEFT_FLAGS = ("coverage", "top_n", *RANK_FLAGS, "layers", "modules")
+
+
+def register(subparsers) -> None:
+    p = add_command(
+        subparsers, "export", main,
+        help="export a run as axolotl unfrozen_parameters (YAML) or a PEFT adapter-config directory",
+        description=(
+            "--format axolotl: the unfrozen_parameters list axolotl reads (as Spectrum writes it), one "
+            "^name$ pattern per parameter of the modules with the most bound mass (sum of sqrt(F)), "
+            "by --mass share or --top-modules. --format peft: adapter_config.json + "
+            "fisher_select_provenance.json in --out (as `fisher-select lora`). Every pattern / target is "
+            "checked to match parameters / modules of the run; trainable counts are printed."
+        ),
+        run_help="run directory written by `fisher-select calibrate`")
+    p.add_argument("--format", required=True, choices=FORMATS, help="axolotl (a YAML file) or peft (a directory)")
+    p.add_argument("--out", required=True, metavar="PATH",
+                   help="axolotl: YAML file to write; peft: directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    axolotl = p.add_argument_group("axolotl")
+    pick = axolotl.add_mutually_exclusive_group()
+    add_dataclass_arguments(pick, UnfreezeSettings)
+    axolotl.add_argument("--objective", metavar="NAME", help="objective whose Fisher ranks modules (default: primary)")
+    add_lora_arguments(p.add_argument_group("peft (as `fisher-select lora`)"), keep_defaults=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    _refuse_other_format_flags(args)
+    if args.format == "peft":
+        return write_lora(args.run, hint_kwargs(args), Path(args.out), args.overwrite)
+    out = Path(args.out)
+    refuse_existing([out], args.overwrite)  # before the selection, not after it
+    result = unfrozen_parameters(args.run, mass=args.mass, top_modules=args.top_modules, objective=args.objective)
+    path = save_unfrozen_parameters(result, out, overwrite=args.overwrite)
+    _print_modules(result)
+    print(f"wrote {path}: paste its unfrozen_parameters list into the axolotl config")
+    print(result.provenance["caveat"])
+    return 0
+
+
+def _refuse_other_format_flags(args: argparse.Namespace) -> None:
+    other = PEFT_FLAGS if args.format == "axolotl" else AXOLOTL_FLAGS
+    given = ["--" + name.replace("_", "-") for name in other if getattr(args, name, None) is not None]
+    if given:
+        owner = "peft" if args.format == "axolotl" else "axolotl"
+        raise FisherSelectError(f"--format {args.format} takes no {', '.join(given)} (options of --format {owner}); "
+                                "drop them (see fisher-select export --help)")
+
+
+def _print_modules(result) -> None:
+    width = max(len(m["name"]) for m in result.modules)
+    print(f"{'module':<{width}}  {'bound share':>11}  {'parameters':>12}")
+    for m in result.modules:
+        print(f"{m['name']:<{width}}  {m['bound_share']:11.4f}  {m['numel']:>12,}")
+    print(f"{len(result.modules)} modules, {result.covered:.1%} of the bound mass, {len(result.patterns)} patterns "
+          f"(each matches one parameter); trainable {result.trainable:,} of {result.numel:,} "
+          f"({result.trainable / result.numel:.2%})")
