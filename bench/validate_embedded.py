@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fisher_select.config import find_recipe, load_recipe
 from fisher_select.pipeline import run_recipe
+from fisher_select.rundir import load_run
 from fisher_select.training.validate import ValidationOptions, summary_lines, validate
 
 RECIPES = {"rl": "rl-arithmetic", "sft": "sft-demonstrations"}
@@ -57,7 +58,6 @@ def sft_setup_on(run_dir: Path, args):
     from fisher_select.config import build_objectives
     from fisher_select.calibration.prompts import load_prompts
     from fisher_select.models import load_model
-    from fisher_select.rundir import load_run
     from fisher_select.training.validate import Setup
 
     run = load_run(run_dir)
@@ -93,6 +93,20 @@ HEADER = ("| training | F ranking AUROC | random | abs(theta) | single-batch abs
           "| module rho, sum F | first-step violations |\n" + "|---" * 14 + "|")
 
 
+MASK_HEADER = ("| training | mask | density | trainable | held-out before | held-out after | full fine-tuning "
+               "| share of full's improvement |\n" + "|---" * 8 + "|")
+
+
+def mask_rows(label: str, report: dict) -> list[str]:
+    """Masked fine-tuning rows: each mask's density and trainable count, the held-out objective it
+    reached and the share of full fine-tuning's improvement it recovers (same steps and seed)."""
+    masked = report["training_outcome"].get("masked_fine_tuning")
+    if not masked:
+        return []
+    return [f"| {label} | {r['mask']} | {r['density']:.4f} | {r['trainable']:,} | {masked['before']:.4f} "
+            f"| {r['after']:.4f} | {masked['full_fine_tuning']:.4f} | {_num(r['recovered'])} |" for r in masked["runs"]]
+
+
 def label_of(report: dict) -> str:
     s = report["settings"]
     opt = "SGD" if s["optimizer"] == "sgd" else "AdamW"
@@ -101,11 +115,13 @@ def label_of(report: dict) -> str:
 
 def table(paths: list[str]) -> int:
     """The table again from validation.json files (or their directories), without training."""
+    reports = [json.loads((Path(p) / "validation.json" if Path(p).is_dir() else Path(p)).read_text()) for p in paths]
     print(HEADER)
-    for path in paths:
-        path = Path(path)
-        report = json.loads((path / "validation.json" if path.is_dir() else path).read_text())
+    for report in reports:
         print(row(label_of(report), report))
+    masks = [line for report in reports for line in mask_rows(label_of(report), report)]
+    if masks:
+        print("\n" + MASK_HEADER + "\n" + "\n".join(masks))
     return 0
 
 
@@ -127,7 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples-per-prompt", type=int, default=4)
     p.add_argument("--subsample", type=int, default=2_000_000)
     p.add_argument("--eval-prompts", type=int, default=8)
-    p.add_argument("--mask-densities", type=float, nargs="*", default=[])
+    p.add_argument("--mask-densities", type=float, nargs="*", default=[],
+                   help="masked fine-tuning: fisher / random / magnitude masks of these densities, and Spectrum's choice")
     p.add_argument("--device", default="cpu")
     p.add_argument("--runs", default="runs/validate-bench")
     p.add_argument("--quiet", action="store_true")
@@ -159,13 +176,17 @@ def main(argv=None) -> int:
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
                       max_new_tokens=new_tokens)
     print("\n".join(summary_lines(result.report)))
-    print(f"\nsettings: calibration {args.num_prompts} x {args.calibration_samples}, {args.max_new_tokens} new tokens; "
+    cal = load_run(run).report  # the calibration used (with --fisher-run: that run's, not the flags')
+    print(f"\nsettings: calibration {cal.num_prompts} x {cal.samples_per_prompt}, {cal.max_new_tokens} new tokens; "
           f"{args.steps} steps of {args.prompts_per_step} x {args.samples_per_prompt}, {new_tokens} new tokens"
           f"{'' if not args.train_prompts else f', SFT on the demonstrations of {args.train_prompts} prompts'}; "
           f"subsample {args.subsample}; "
           f"{time.time() - started:.0f} s; wrote {result.out}")
     print(HEADER)
     print(row(label_of(result.report), result.report))
+    masks = mask_rows(label_of(result.report), result.report)
+    if masks:
+        print("\n" + MASK_HEADER + "\n" + "\n".join(masks))
     return 0
 
 

@@ -10,7 +10,10 @@ printing its own lines (docs/SCALING.md records the output and what it means):
    it returns are full-shape tensors (the layer hooks see the all-gathered weights), and their sum
    over ranks equals the single-process sums over all rows (fp32 summation order aside);
 3. ``generate`` when ranks stop at different lengths: with ``synced_gpus=True`` every rank keeps
-   running forwards (FSDP2 all-gathers inside each one) until all are done.
+   running forwards (FSDP2 all-gathers inside each one) until all are done;
+4. ``engine.sharded.score_sums_sharded``: accumulators reduce-scattered to the shard owners layer
+   by layer during the backward; this rank's bytes kept and at peak against unsharded ones, and
+   the gathered sums against one process.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ sys.path.insert(0, os.getcwd())  # tests.tiny from the checkout
 from tests.tiny import random_batch, tiny_model  # noqa: E402
 
 from fisher_select.engine.scoring import score_sums  # noqa: E402
+from fisher_select.engine.sharded import score_sums_sharded  # noqa: E402
 
 
-def sharded(mesh):
-    model = tiny_model("llama-untied")  # same seed on every rank: the same weights
+def sharded(mesh, name="llama-untied"):
+    model = tiny_model(name)  # same seed on every rank: the same weights
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -71,6 +75,22 @@ def main() -> int:
     out = sharded(mesh).generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0,
                                  max_new_tokens=8 - 4 * rank, synced_gpus=True, pad_token_id=1)
     say(f"3. generate with synced_gpus=True, {8 - 4 * rank} new tokens asked: output {tuple(out.shape)}")
+
+    for name in ("llama-untied", "llama-tied"):
+        for mode, kwargs in (("full", {"objectives": 1}), ("fisher", {"totals": False})):
+            want = score_sums(tiny_model(name), ids, attn, resp, signal if mode == "full" else None)
+            batch = (ids[rows], attn[rows], resp[rows]) + ((signal[rows],) if mode == "full" else ())
+            got = score_sums_sharded(sharded(mesh, name), [batch], **kwargs)
+            whole = got.gather()
+            worst = 0.0
+            if whole is not None:
+                for n, t in whole.squares.items():
+                    scale = float(want.squares[n].abs().max()) or 1.0
+                    worst = max(worst, float((t - want.squares[n]).abs().max()) / scale)
+            say(f"4. score_sums_sharded {name}, accumulators={mode}: kept {got.nbytes()} B, peak {got.peak_bytes} B, "
+                f"unsharded {got.full_bytes} B" + (f"; gathered F vs 1 process: max relative diff {worst:.3e}"
+                                                    if whole is not None else ""))
+    dist.barrier()  # a gloo rank exiting while its peer still works sometimes aborts at exit (SIGABRT)
     dist.destroy_process_group()
     return 0
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fisher_select.errors import FisherSelectError
+from fisher_select.errors import FisherSelectError, ResourceError
 
 
 class Terminated(BaseException):
@@ -93,7 +93,7 @@ def check_writable(directory: Path, need_bytes: int = 0) -> None:
         raise FisherSelectError(f"cannot write in {probe} (permission denied or read-only); choose another --out")
     free = shutil.disk_usage(probe).free
     if need_bytes > free:
-        raise FisherSelectError(
+        raise ResourceError(
             f"{probe} has {free / 2**30:.2f} GiB free but the outputs need about {need_bytes / 2**30:.2f} GiB; "
             "free space or choose another --out")
 

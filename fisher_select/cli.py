@@ -10,7 +10,7 @@ import sys
 
 from fisher_select import __version__, commands
 from fisher_select.atomic import Terminated, raise_on_sigterm
-from fisher_select.errors import FisherSelectError
+from fisher_select.errors import FisherSelectError, ResourceError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     raise_on_sigterm()  # a cluster time limit stops the work like Ctrl-C: nothing half-written stays
     try:
         return int(args.func(args) or 0)
-    except FisherSelectError as exc:  # the user's input: what, where, what to do
+    except FisherSelectError as exc:  # the user's input (2) or the machine (1): what, where, what to do
         if args.debug:
             raise
         print(f"fisher-select: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, ResourceError) else 2
     except OSError as exc:  # the environment: disk full, permissions, a path that cannot be created
         if args.debug:
             raise

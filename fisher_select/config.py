@@ -54,6 +54,7 @@ class RecipeConfig:
     accumulators: str = same_field(CalibrationSettings, "accumulators")
     modules: str | None = same_field(CalibrationSettings, "modules")
     accumulate_on: str = same_field(CalibrationSettings, "accumulate_on")
+    stability: bool = same_field(CalibrationSettings, "stability")
     checkpoint_every: int | None = field(default=None, metadata={
         "help": "write a checkpoint (accumulators, generator states, samples) to OUT.checkpoint/ every N prompt "
                 "batches, so `calibrate --resume` continues after a kill; each costs the accumulators' bytes "

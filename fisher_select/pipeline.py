@@ -14,8 +14,8 @@ from fisher_select.calibration.checkpoint import finish as finish_checkpoint
 from fisher_select.calibration.prompts import load_prompts
 from fisher_select.calibration.rollouts import load_rollouts
 from fisher_select.report.build import build_report, write_run
-from fisher_select.atomic import check_dir_target
-from fisher_select.rundir import ModelInfo, RunReport
+from fisher_select.atomic import check_dir_target, check_writable
+from fisher_select.rundir import ModelInfo, RunReport, run_bytes
 from fisher_select.calibration.sampling import SamplingConfig
 
 
@@ -47,13 +47,15 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     check_inputs(prompts, objectives, k, None)  # sampling: checked by load_recipe
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     model_fingerprint = fingerprint(model)
+    # Now the size is known: refuse a disk without room for the run before sampling, not after.
+    check_writable(out.parent, run_bytes(model_fingerprint["num_parameters"], len(objectives)))
     ckpt = CheckpointConfig(checkpoint_folder(out), recipe.checkpoint_every, resume, discard_existing=overwrite,
                             model_id=model_fingerprint["id"], keep_when_done=True)
     cal = calibrate(model, tokenizer, prompts, objectives, samples_per_prompt=recipe.samples_per_prompt,
                     max_new_tokens=recipe.max_new_tokens, seed=recipe.seed, batch_size=recipe.batch_size,
                     truncate_prompts=recipe.truncate_prompts, sampling=sampling, progress=progress and rank == 0,
                     accumulators=recipe.accumulators, modules=recipe.modules, accumulate_on=recipe.accumulate_on,
-                    rollouts=rollouts, checkpoint=ckpt)
+                    stability=recipe.stability, rollouts=rollouts, checkpoint=ckpt)
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
     settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,

@@ -393,6 +393,12 @@ def write_run(out: Path, cal, report: RunReport, *, overwrite: bool,
     return write_dir(out, writer, overwrite=overwrite)
 
 
+def run_bytes(num_parameters: int, num_objectives: int) -> int:
+    """About the most a run directory takes: fp32 tensors of F, the bounds, a token-level F and one
+    gradient estimate per objective (4 bytes per coordinate each), plus 64 MiB of samples and pages."""
+    return 4 * num_parameters * (3 + num_objectives) + 64 * 2**20
+
+
 def grad_file_for(index: int, name: str) -> str:
     """The gradient-estimate file of the index-th objective."""
     return GRAD_FILE if index == 0 else f"grad_estimate-{name}.safetensors"

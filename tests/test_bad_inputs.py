@@ -173,6 +173,30 @@ def test_out_under_a_regular_file_fails_before_loading_anything(tmp_path, capsys
     fails(["calibrate", "--out", str(tmp_path / "file" / "run"), *FAST], capsys, 2, str(tmp_path / "file"))
 
 
+def test_a_disk_without_room_for_the_run_is_refused_after_loading_before_sampling(tmp_path, capsys, monkeypatch):
+    """The run's size is known once the model is (4 bytes per coordinate per tensor file): a disk with
+    less free space is refused before any sampling, naming the free and the needed space."""
+    import shutil
+
+    import fisher_select.atomic as atomic
+    import fisher_select.pipeline as pipeline
+    from fisher_select.rundir import run_bytes
+
+    def never(*args, **kwargs):
+        raise AssertionError("sampling started on a disk without room for the run")
+
+    model = save_model(tmp_path / "m", "llama", positions=64)
+    recipe = write_recipe(tmp_path, model, [SHORT])
+    numel = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(model).parameters())
+    need = run_bytes(numel, 1)
+    real = shutil.disk_usage
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    monkeypatch.setattr(pipeline, "calibrate", never)
+    line = fails(["calibrate", "--recipe", str(recipe), "--out", str(tmp_path / "o"), *FAST], capsys, 1, "free space")
+    assert f"{need / 2**30:.2f} GiB" in line
+    nothing_written(tmp_path, tmp_path / "o")
+
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")

@@ -139,3 +139,21 @@ def test_accumulator_bytes_of_each_mode():
     coords = sum(torch.Size(s).numel() for s in cov.shapes.values())
     for accumulators, per in (("full", 4 * 3), ("gradient", 4 * 2), ("fisher", 4)):
         assert MemoryMode(accumulators).zeros(cov, 1).nbytes() == per * coords
+
+
+def test_the_smallest_mode_from_the_command_line(tmp_path, embedded):
+    """`--accumulators fisher --no-stability`: F alone (4 bytes per parameter); the run says what it lacks."""
+    import json
+
+    from tests.tiny import run_command, save_small_llama
+
+    save_small_llama(tmp_path / "m", embedded[1], hidden=32, intermediate=64, layers=1)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(2)))
+    (tmp_path / "r.yaml").write_text(f"model: {tmp_path / 'm'}\nprompts: p.jsonl\nobjective:\n  type: rl\n"
+                                     "  reward: {type: regex, pattern: '[0-9]'}\n")
+    assert run_command(["calibrate", "--recipe", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "run"),
+                        "--accumulators", "fisher", "--no-stability", "--samples-per-prompt", "2",
+                        "--max-new-tokens", "4", "--no-progress"]) == 0
+    run = load_run(tmp_path / "run")
+    assert run.report.config["accumulators"] == "fisher" and run.report.config["stability"] is False
+    assert any("no gradient estimate" in w for w in run.report.warnings)

@@ -17,13 +17,16 @@ from fisher_select.calibration.objectives.base import Context
 from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.engine.reference import brute_force_sums, per_sample_scores
 from fisher_select.errors import FisherSelectError
+from fisher_select.outputs.selection import top_count
+from fisher_select.report.build import module_of
 from fisher_select.training import baselines
 from fisher_select.training.loop import Streams, backward, make_task, pad_rows, token_weights
 from fisher_select.training.metrics import (Realized, Subsample, auroc, first_step_check, ranking_metrics,
                                             spacing)
 from fisher_select.training.movement import movement, snapshot
 from fisher_select.training.validate import (Setup, ValidationOptions, global_top_masks, minibatch_snr,
-                                             row_score_sums, sgd_step, split_half_gradient, validate)
+                                             recovered_share, row_score_sums, sgd_step, split_half_gradient,
+                                             summary_lines, validate)
 from tests import enumeration as en
 from tests.runs import make_run
 from tests.tiny import TinyTokenizer, tiny_model
@@ -66,6 +69,15 @@ def test_subsample_is_distinct_seeded_and_takes_the_right_values():
     assert torch.equal(Subsample(shapes, 9, seed=3).flat, sub.flat)
     assert torch.equal(Subsample(shapes, None, seed=0).take(tensors), every)
     assert sub.broadcast([1.0, 2.0, 3.0]).tolist() == [[1.0, 2.0, 3.0][int(j)] for j in sub.param_of]
+
+
+def test_recovered_share_of_full_fine_tuning_on_hand_checked_numbers():
+    # a loss: 2.0 -> 1.0 with full fine-tuning, 2.0 -> 1.5 with a mask: half the improvement
+    assert recovered_share(2.0, 1.5, 1.0) == 0.5
+    # a reward: 0.2 -> 0.6 full, 0.2 -> 0.5 masked: three quarters; a mask that made it worse: negative
+    assert recovered_share(0.2, 0.5, 0.6) == pytest.approx(0.75)
+    assert recovered_share(0.2, 0.1, 0.6) == pytest.approx(-0.25)
+    assert recovered_share(1.0, 1.2, 1.0) is None  # full fine-tuning changed nothing: no share
 
 
 def test_global_top_masks_count_exactly_across_tensors():
@@ -359,14 +371,35 @@ def test_validate_end_to_end_writes_json_and_plots_and_restores_the_model(rl_set
     assert {"sum_sqrt_fisher", "sum_fisher", "chosen"} <= set(report["spearman_modules"])
     assert 0 <= report["first_step_violation_rate"] <= 1
     assert len(report["training_outcome"]["runs"]["main"]["per_step"]) == 2
-    masked = report["training_outcome"]["masked_fine_tuning"][0]
-    assert masked["density"] == 0.1 and {"fisher", "random", "magnitude"} <= set(masked)
+    check_masked(report, run, setup.model)
     assert report["movement_summary"]["main"]["l2_norm"] > 0
     after = snapshot(setup.model)
     assert all(torch.equal(before[n], after[n]) for n in before)  # validate leaves the model as it found it
     assert result.report["run_id"] == run.run_id
     with pytest.raises(FisherSelectError, match="already"):  # refused before any training
         validate(run, 2, "sgd", 0.05, setup=setup, out=out, **SMALL)
+
+
+def check_masked(report, run, model):
+    """Masked fine-tuning: fisher / random / magnitude at exactly 10% of the coordinates, Spectrum's choice
+    at its own density, each share = (after - before) / (full - before) of the report's own numbers."""
+    outcome = report["training_outcome"]
+    masked = outcome["masked_fine_tuning"]
+    full, start = masked["full_fine_tuning"], masked["before"]
+    assert full == outcome["runs"]["main"]["held_out_after"] and start == outcome["held_out_before"]
+    runs = {r["mask"]: r for r in masked["runs"]}
+    assert set(runs) == {"fisher", "random", "magnitude", "spectrum"}
+    total = run_numel(run)
+    for rule in ("fisher", "random", "magnitude"):  # the same budget
+        assert runs[rule]["trainable"] == top_count(0.1, total)
+        assert runs[rule]["density"] == pytest.approx(0.1, abs=1e-3)
+    chosen = baselines.spectrum_selection(baselines.spectrum_module_scores(model))
+    spectrum = sum(p.numel() for n, p in model.named_parameters() if module_of(n) in chosen)
+    assert runs["spectrum"]["trainable"] == spectrum and runs["spectrum"]["density"] == spectrum / total
+    for r in masked["runs"]:  # full fine-tuning that changed nothing (e.g. a constant reward) has no share
+        assert r["recovered"] == (None if full == start else pytest.approx((r["after"] - start) / (full - start)))
+    assert "recovered" in "\n".join(summary_lines(report))
+    return full, start
 
 
 def run_numel(run):
@@ -391,7 +424,10 @@ def test_validate_sft_from_demonstrations_end_to_end(tmp_path):
     cal = calibrate(model, tok, prompts[:3], objective, samples_per_prompt=4, max_new_tokens=4, progress=False)
     run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}])
     setup = Setup(model, tok, SFTDemonstrationsObjective(demos), prompts[:3], prompts[3:], True)
-    report = validate(run, 2, "sgd", 0.1, setup=setup, options=ValidationOptions(subsample=2000), **SMALL).report
+    options = ValidationOptions(subsample=2000, mask_densities=(0.1,))
+    report = validate(run, 2, "sgd", 0.1, setup=setup, options=options, **SMALL).report
+    full, start = check_masked(report, run, model)
+    assert full < start  # full fine-tuning lowered the held-out loss: every share above is a real division
     assert report["first_step_violation_rate"] is None and "unknown" in report["first_step"]["reason"]
     outcome = report["training_outcome"]
     assert outcome["held_out_before"] > 0 and "negative log-likelihood" in outcome["held_out_metric"]
@@ -450,3 +486,13 @@ def test_report_validation_section_rows_and_plain_failure_sentence():
     said = section.findings(pairs)
     assert sum("does NOT predict" in f for f in said) == 1 and "validation-adamw" in said[1]
     assert section.markdown_lines([]) == [] and section.html_section([]) == ""
+
+
+def test_first_step_check_refuses_an_estimated_zero_signal_scale(rl_setup):
+    """S estimated 0 (no calibration prompt's reward varied) would make the bound 0 everywhere: no check."""
+    run, setup = rl_setup
+    zero = make_run(run.fisher, objectives=[{"name": "rl", "signal_scale": 0.0}])
+    opts = ValidationOptions(subsample=2000, second_seed=False, adam_aware=False)
+    report = validate(zero, 1, "sgd", 0.05, setup=setup, options=opts, **SMALL).report
+    assert report["first_step_violation_rate"] is None
+    assert "estimated signal scale S is 0" in report["first_step"]["reason"]

@@ -85,7 +85,7 @@ def calibrate(
     sampling: SamplingConfig | None = None,
     progress: bool = True,
     verify: bool = True,
-    stability: bool = True,
+    stability: bool = CalibrationSettings.stability,
     rollouts: Rollouts | None = None,
     checkpoint: CheckpointConfig | None = None,
 ) -> Calibration:

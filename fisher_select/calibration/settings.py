@@ -44,3 +44,8 @@ class CalibrationSettings:
                 "for models whose fp32 accumulators do not fit beside the weights, at the cost of a copy per piece)",
         "choices": ("device", "cpu"),
     })
+    stability: bool = field(default=True, metadata={
+        "help": "keep the split-half and per-batch diagnostics of the report (stability of the module ranking, "
+                "standard errors of F mass): one more fp32 accumulator, 4 bytes per parameter; turn off for big "
+                "models where every accumulator counts",
+    })

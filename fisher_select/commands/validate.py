@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--first-step-prompts", type=int, help="prompts in the first-step check's batch (default 2x a step)")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the training outcome")
     p.add_argument("--mask-densities", type=float, nargs="*", default=[], metavar="D",
-                   help="also fine-tune with fisher / random / magnitude masks of these densities")
+                   help="also fine-tune with fisher / random / magnitude masks of these densities and with "
+                        "Spectrum's module choice (at its own density)")
     p.add_argument("--no-second-seed", action="store_true", help="skip the second run (the seed-to-seed ceiling)")
     p.add_argument("--no-adam-aware", action="store_true", help="skip the Adam-aware ranking")
     p.add_argument("--device", default="cpu")

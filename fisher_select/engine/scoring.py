@@ -343,10 +343,13 @@ class _ModuleInfo:
 class _Pass:
     """Hooks for one scoring pass; all state lives here, none on modules or parameters."""
 
-    def __init__(self, cov: Coverage, sums: _Sums, block: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, cov: Coverage, sums: _Sums, block: int, dtype: torch.dtype = torch.float32, done=None):
         self.cov, self.sums, self.block = cov, sums, block
         self.dtype = dtype  # the rules hand over per-sample gradients in the accumulation dtype
         self.active = True
+        self.done = done  # called with each parameter's name once its sums for this batch are complete
+        self.pending: dict[str, int] = {}  # full name -> calls whose gradient has not arrived yet
+        self.reported: set[str] = set()
         self.anchors: dict[tuple, torch.Tensor] = {}
         self.roots: list[torch.Tensor] = []  # module outputs that start the graph themselves
         self.calls: list[tuple[nn.Module, _ModuleInfo, object]] = []
@@ -395,6 +398,7 @@ class _Pass:
         for module, info, captured in self.calls:
             for full in info.full.values():
                 calls_of.setdefault(full, []).append((module, info, captured))
+        self.pending = {full: len(calls) for full, calls in calls_of.items()}
         for full, calls in calls_of.items():
             if len(calls) < 2:
                 continue
@@ -424,6 +428,16 @@ class _Pass:
                 (target or _Direct(self.sums, full)).add_sparse(c.sample, c.row, c.value)
             else:
                 (target or _Direct(self.sums, full)).add_dense(c.start, c.value, c.rows)
+        if self.done is not None:  # the last call's gradient completes a parameter not shared by others
+            for full in info.full.values():
+                self.pending[full] -= 1
+                if self.pending[full] == 0 and full not in self.shared:
+                    self.report(full)
+
+    def report(self, full: str) -> None:
+        if self.done is not None and full not in self.reported:
+            self.reported.add(full)
+            self.done(full)
 
 
 @dataclass
@@ -463,6 +477,7 @@ def score_sums(
     params: "set[str] | None" = None,
     accumulate_on: torch.device | str | None = None,
     accumulate_dtype: torch.dtype = torch.float32,
+    done=None,
 ) -> ScoreSums:
     """Exact sums over the batch of per-sample scores, their squares and signal-weighted scores.
 
@@ -485,6 +500,12 @@ def score_sums(
     pinned when CUDA is present); pieces are reduced on the parameter's device, then copied.
     ``accumulate_dtype``: the dtype of the per-sample gradients and the sums (float64 for
     exactness checks against ``engine.reference`` on a float64 model).
+
+    ``done``: called with a parameter's name as soon as this batch's additions to its sums are
+    complete (inside the backward, right after its module's last call got its gradient; tied or
+    repeated parameters after their parts are joined, fallback ones after their loop), once per
+    accumulated parameter, in the same order for the same model and batch layout. Sharded
+    scoring (``engine.sharded``) reduce-scatters each layer's sums there and frees them.
     """
     batch = input_ids.shape[0]
     if response_mask[:, 0].any():
@@ -494,7 +515,7 @@ def score_sums(
     cov = _restricted(coverage or plan_coverage(model), params)
     rules.check_model(model)
     sums = _Sums(cov, signal, into, squares, accumulate_dtype, totals=totals, device=accumulate_on, batch=batch)
-    run = _Pass(cov, sums, block, accumulate_dtype)
+    run = _Pass(cov, sums, block, accumulate_dtype, done)
     with _frozen_for_pass(cov), run.hooks():
         logp = response_logprobs(model, input_ids, attention_mask, response_mask, token_weights)  # (B,)
         run.prepare_shared(batch)
@@ -504,10 +525,13 @@ def score_sums(
         if not inputs:
             raise FisherSelectError("nothing in the model takes part in the log-probability graph")
         torch.autograd.grad(logp.sum(), inputs, retain_graph=bool(fallback), allow_unused=True)
-        for shared in run.shared.values():
+        for name, shared in run.shared.items():
             shared.finish(block)
+            run.report(name)
         run.active = False
         _fallback_loop(logp, fallback, sums)
+        for name in cov.shapes:  # fallback parameters, and any whose layer got no gradient
+            run.report(name)
     weighted = sums.signal
     if weighted is not None and signal is not None and signal.dim() == 1:
         weighted = {n: v[0] for n, v in weighted.items()}

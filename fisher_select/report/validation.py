@@ -76,6 +76,12 @@ def findings(validations: list[tuple[str, dict]]) -> list[str]:
         if auc is not None and auc < NO_PREDICTION:
             out.append(f"{name}: the F ranking does NOT predict which coordinates moved (AUROC {auc:.2f}; "
                        f"0.5 is chance) under {_training(v)}; do not trust a mask from it for this training.")
+        masked = (v.get("training_outcome") or {}).get("masked_fine_tuning")
+        if masked:
+            shares = "; ".join(f"{r['mask']} at density {r['density']:.3g}: {_num(r['recovered'])}"
+                               for r in masked["runs"])
+            out.append(f"{name}: masked fine-tuning, same steps and seed, share of full fine-tuning's held-out "
+                       f"improvement recovered: {shares}.")
         out += [f"{name}: {c}" for c in v.get("caveats", [])]
     return out
 

@@ -8,8 +8,9 @@ the same subsample of coordinates: random, ``|theta|``, one batch's ``|grad|``, 
 PEFT's KappaTune, a second run with another seed (the ceiling), and an Adam-aware ranking (beyond
 the seed's bound; see ``_adam_aware``). It also runs the first-step check (one SGD step on a large
 batch: ``|delta|/lr`` against the bound, with the noise level) and, when asked, masked fine-tuning
-with fisher_select's, a random and a magnitude mask. Output: ``validation.json`` and plots, written
-atomically into one directory (default ``RUN/validation-<optimizer>-seed<seed>``).
+with fisher_select's, a random and a magnitude mask and Spectrum's module choice (``_masked``).
+Output: ``validation.json`` and plots, written atomically into one directory (default
+``RUN/validation-<optimizer>-seed<seed>``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class ValidationOptions:
     second_seed: bool = True  # a second run with seed + 1: how well one run predicts another
     first_step_prompts: int | None = None  # the first-step batch (default 2 x prompts_per_step), in two halves
     eval_prompts: int = 8  # held-out prompts after the calibration's, for the training outcome
-    mask_densities: tuple[float, ...] = ()  # masked fine-tuning at these densities (fisher / random / magnitude)
+    mask_densities: tuple[float, ...] = ()  # masked fine-tuning: fisher / random / magnitude at these, + Spectrum
     adam_aware: bool = True
 
 
@@ -179,7 +180,7 @@ class _Validation:
         single = self._single_batch()
         main = self._train(self.settings.seed, "training")
         second = self._train(self.settings.seed + 1, "second seed") if self.options.second_seed else None
-        masked = [self._masked(d, before, main["after"]) for d in self.options.mask_densities]
+        masked = self._masked(before, main["after"])
         restore(self.model, self.theta0)
         report, figures = self._assemble(main, second, single, adam, first, first_rows, before, masked)
         if main["summary"]["max"] == 0:
@@ -212,6 +213,9 @@ class _Validation:
         scale = entry.signal_scale
         if scale is None or not math.isfinite(scale):
             return None, f"the objective's signal scale S is {'unknown' if scale is None else 'infinite'}: no absolute bound"
+        if scale == 0:  # an estimate: no calibration prompt's sampled signal varied, not a proof that E[g] = 0
+            return None, ("the run's estimated signal scale S is 0 (no calibration prompt's sampled signal varied): "
+                          "the bound would be 0 everywhere; calibrate with more samples or tokens for an absolute bound")
         return scale, ""
 
     def _first_step_result(self, delta, noise) -> dict:
@@ -261,17 +265,31 @@ class _Validation:
         return {"seed": seed, "log": log, "after": after, "moved": reduced,
                 "summary": {"share_moved": moved, "l2_norm": size, "max": float(reduced.sub.max())}}
 
-    def _masked(self, density: float, before: float, full_after: float) -> dict:
-        """Masked fine-tuning at one density with the fisher, random and magnitude masks."""
+    def _masked(self, before: float, full_after: float) -> dict | None:
+        """Masked fine-tuning, same steps and seed as the full run: fisher_select's, a random and a
+        magnitude mask at each density, and Spectrum's module choice at its own density."""
+        if not self.options.mask_densities:
+            return None
         gen = torch.Generator().manual_seed(self.settings.seed + MASK_STREAM)
-        scores = {"fisher": self.fisher, "magnitude": {n: t.abs() for n, t in self.theta0.items()},
-                  "random": {n: torch.rand(t.shape, generator=gen) for n, t in self.theta0.items()}}
-        out = {"density": density, "full_fine_tuning": full_after, "before": before}
-        for rule, values in scores.items():
-            run = self._train(self.settings.seed, f"mask {rule} {density:g}", global_top_masks(values, density))
-            gain, full_gain = run["after"] - before, full_after - before
-            out[rule] = {"after": run["after"], "recovered": gain / full_gain if full_gain != 0 else None}
-        return out
+        scores = {"fisher": self.fisher,
+                  "random": {n: torch.rand(t.shape, generator=gen) for n, t in self.theta0.items()},
+                  "magnitude": {n: t.abs() for n, t in self.theta0.items()}}
+        masks = [(rule, global_top_masks(values, d))
+                 for d in self.options.mask_densities for rule, values in scores.items()]
+        chosen = baselines.spectrum_selection(baselines.spectrum_module_scores(self.model))
+        masks.append(("spectrum", {n: torch.full(t.shape, module_of(n) in chosen) for n, t in self.theta0.items()}))
+        runs = []
+        for rule, mask in masks:
+            trainable = sum(int(m.sum()) for m in mask.values())
+            density = trainable / self.sub.total
+            after = self._train(self.settings.seed, f"mask {rule} {density:.3g}", mask)["after"]
+            runs.append({"mask": rule, "density": density, "trainable": trainable, "after": after,
+                         "recovered": recovered_share(before, after, full_after)})
+        return {"before": before, "full_fine_tuning": full_after, "seed": self.settings.seed,
+                "recovered": "(after_mask - before) / (after_full - before) of the held-out objective",
+                "spectrum": f"Spectrum's module choice ({len(chosen)} modules: top 50% per type by weight SNR "
+                            "+ lm_head + embed_tokens); its density is what that choice holds",
+                "runs": runs}
 
     # -- metrics and the report -----------------------------------------------------------------
 
@@ -405,7 +423,7 @@ class _Validation:
         return {"per_step_metric": f"{self.task.outcome_name}, on each step's own batch (before its update)",
                 "held_out_metric": f"{self.task.outcome_name}, on the held-out prompts (on-policy: K samples each, fixed seed)",
                 "held_out_prompts": len(self.setup.eval_prompts), "held_out_disjoint": self.setup.eval_disjoint,
-                "held_out_before": before, "runs": runs, "masked_fine_tuning": masked or None}
+                "held_out_before": before, "runs": runs, "masked_fine_tuning": masked}
 
     def _caveats(self) -> list[str]:
         out = ["The bound is for the expected gradient at the calibration point, one step; realized movement "
@@ -505,6 +523,14 @@ def minibatch_snr(total: torch.Tensor, squares: torch.Tensor, count: int, rows: 
     return torch.where(denom > 0, m.abs() / safe, torch.zeros_like(denom)).float()
 
 
+def recovered_share(before: float, after: float, full_after: float) -> float | None:
+    """The share of full fine-tuning's held-out improvement a masked run recovers:
+    ``(after - before) / (full_after - before)`` (None when full fine-tuning left the objective unchanged).
+    The sign convention cancels, so it reads the same for a reward (up) and a loss (down)."""
+    full = full_after - before
+    return (after - before) / full if full != 0 else None
+
+
 def global_top_masks(scores: dict[str, torch.Tensor], density: float) -> dict[str, torch.Tensor]:
     """Bool masks of the top ``density`` share of all coordinates by score (exact count, ties to lower index)."""
     names = list(scores)
@@ -561,6 +587,21 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"first-step check: {fs['violation_rate']:.2e} of coordinates above the bound "
                      f"({fs['violation_rate_beyond_rounding']:.2e} beyond fp32 rounding); noise alone: "
                      f"{fs['noise_violation_rate']:.2e}")
+    return lines + masked_lines(report)
+
+
+def masked_lines(report: dict) -> list[str]:
+    """The masked fine-tuning table: each mask's density, trainable count, held-out objective and share recovered."""
+    masked = report["training_outcome"].get("masked_fine_tuning")
+    if not masked:
+        return []
+    lines = [f"masked fine-tuning (held-out {report['training_outcome']['held_out_metric'].split(',')[0]}: "
+             f"before {masked['before']:.4f}, full fine-tuning {masked['full_fine_tuning']:.4f}; "
+             f"recovered = {masked['recovered']})",
+             f"{'mask':<10} {'density':>8} {'trainable':>11} {'held-out after':>14} {'recovered':>9}"]
+    for r in masked["runs"]:
+        lines.append(f"{r['mask']:<10} {r['density']:>8.4f} {r['trainable']:>11,} {r['after']:>14.4f} "
+                     f"{_fmt(r['recovered']):>9}")
     return lines
 
 
