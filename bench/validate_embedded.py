@@ -94,7 +94,7 @@ HEADER = ("| training | F ranking AUROC | random | abs(theta) | single-batch abs
 
 
 MASK_HEADER = ("| training | mask | density | trainable | held-out before | held-out after | full fine-tuning "
-               "| share of full's improvement |\n" + "|---" * 8 + "|")
+               "| share of full's improvement | over seeds (min..max) |\n" + "|---" * 9 + "|")
 
 
 def mask_rows(label: str, report: dict) -> list[str]:
@@ -103,8 +103,15 @@ def mask_rows(label: str, report: dict) -> list[str]:
     masked = report["training_outcome"].get("masked_fine_tuning")
     if not masked:
         return []
+    full = masked.get("full_fine_tuning_per_seed") or [masked["full_fine_tuning"]]
+
+    def spread(r):
+        s = r.get("recovered_spread")
+        return f"{_num(s['min'])}..{_num(s['max'])} ({len(r['per_seed'])} seeds)" if s else "one seed"
+
     return [f"| {label} | {r['mask']} | {r['density']:.4f} | {r['trainable']:,} | {masked['before']:.4f} "
-            f"| {r['after']:.4f} | {masked['full_fine_tuning']:.4f} | {_num(r['recovered'])} |" for r in masked["runs"]]
+            f"| {r['after']:.4f} | {sum(full) / len(full):.4f} | {_num(r['recovered'])} | {spread(r)} |"
+            for r in masked["runs"]]
 
 
 def label_of(report: dict) -> str:
@@ -145,6 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--mask-densities", type=float, nargs="*", default=[],
                    help="masked fine-tuning: fisher / random / magnitude masks of these densities, and Spectrum's choice")
+    p.add_argument("--mask-seeds", type=int, default=1, help="masked fine-tuning repeated over this many seeds")
     p.add_argument("--device", default="cpu")
     p.add_argument("--runs", default="runs/validate-bench")
     p.add_argument("--quiet", action="store_true")
@@ -168,7 +176,7 @@ def main(argv=None) -> int:
     out = run / f"validation-{args.objective}-{args.optimizer}-lr{lr:g}-wd{args.weight_decay:g}-s{args.steps}-seed{args.seed}"
     options = ValidationOptions(subsample=args.subsample, eval_prompts=args.eval_prompts,
                                 first_step_prompts=args.first_step_prompts, second_seed=not args.no_second_seed,
-                                mask_densities=tuple(args.mask_densities))
+                                mask_densities=tuple(args.mask_densities), mask_seeds=args.mask_seeds)
     new_tokens = args.train_new_tokens or args.max_new_tokens
     started = time.time()
     result = validate(run, args.steps, args.optimizer, lr, args.weight_decay, args.seed, out=out, overwrite=True,

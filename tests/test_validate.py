@@ -23,7 +23,7 @@ from fisher_select.training import baselines
 from fisher_select.training.loop import Streams, backward, make_task, pad_rows, token_weights
 from fisher_select.training.metrics import (Realized, Subsample, auroc, first_step_check, ranking_metrics,
                                             spacing)
-from fisher_select.training.movement import movement, snapshot
+from fisher_select.training.movement import bf16_lost, movement, snapshot
 from fisher_select.training.validate import (Setup, ValidationOptions, global_top_masks, minibatch_snr,
                                              recovered_share, row_score_sums, sgd_step, split_half_gradient,
                                              summary_lines, validate)
@@ -396,8 +396,25 @@ def check_masked(report, run, model):
     chosen = baselines.spectrum_selection(baselines.spectrum_module_scores(model))
     spectrum = sum(p.numel() for n, p in model.named_parameters() if module_of(n) in chosen)
     assert runs["spectrum"]["trainable"] == spectrum and runs["spectrum"]["density"] == spectrum / total
+    seeds = masked["seeds"]
+    fulls = dict(zip(seeds, masked["full_fine_tuning_per_seed"]))
+    assert fulls[seeds[0]] == full
+    if len(seeds) > 1 and "second_seed" in outcome["runs"]:  # the second-seed run is reused, not rerun
+        assert fulls[seeds[1]] == outcome["runs"]["second_seed"]["held_out_after"]
     for r in masked["runs"]:  # full fine-tuning that changed nothing (e.g. a constant reward) has no share
-        assert r["recovered"] == (None if full == start else pytest.approx((r["after"] - start) / (full - start)))
+        assert [e["seed"] for e in r["per_seed"]] == seeds
+        for e in r["per_seed"]:  # each seed's share against full fine-tuning with the same seed
+            f = fulls[e["seed"]]
+            assert e["full_fine_tuning"] == f
+            assert e["recovered"] == (None if f == start else pytest.approx((e["after"] - start) / (f - start)))
+        shares = [e["recovered"] for e in r["per_seed"]]
+        assert r["after"] == pytest.approx(sum(e["after"] for e in r["per_seed"]) / len(seeds))
+        if None in shares:
+            assert r["recovered"] is None
+            continue
+        assert r["recovered"] == pytest.approx(sum(shares) / len(shares))
+        if len(seeds) > 1:
+            assert (r["recovered_spread"]["min"], r["recovered_spread"]["max"]) == (min(shares), max(shares))
     assert "recovered" in "\n".join(summary_lines(report))
     return full, start
 
@@ -424,9 +441,14 @@ def test_validate_sft_from_demonstrations_end_to_end(tmp_path):
     cal = calibrate(model, tok, prompts[:3], objective, samples_per_prompt=4, max_new_tokens=4, progress=False)
     run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}])
     setup = Setup(model, tok, SFTDemonstrationsObjective(demos), prompts[:3], prompts[3:], True)
-    options = ValidationOptions(subsample=2000, mask_densities=(0.1,))
-    report = validate(run, 2, "sgd", 0.1, setup=setup, options=options, **SMALL).report
+    options = ValidationOptions(subsample=2000, mask_densities=(0.1,), mask_seeds=2)
+    # minibatches of 2 of the 3 demonstrations: the seed decides which, so seeds differ
+    report = validate(run, 2, "sgd", 0.1, setup=setup, options=options, **(SMALL | {"prompts_per_step": 2, "samples_per_prompt": 1})).report
     full, start = check_masked(report, run, model)
+    runs = {r["mask"]: r for r in report["training_outcome"]["masked_fine_tuning"]["runs"]}
+    # two seeds train on different minibatches: the spread is real, not one run reported twice
+    assert len({e["after"] for e in runs["fisher"]["per_seed"]}) == 2
+    assert "over seeds" in "\n".join(summary_lines(report))
     assert full < start  # full fine-tuning lowered the held-out loss: every share above is a real division
     assert report["first_step_violation_rate"] is None and "unknown" in report["first_step"]["reason"]
     outcome = report["training_outcome"]
@@ -496,3 +518,31 @@ def test_first_step_check_refuses_an_estimated_zero_signal_scale(rl_setup):
     report = validate(zero, 1, "sgd", 0.05, setup=setup, options=opts, **SMALL).report
     assert report["first_step_violation_rate"] is None
     assert "estimated signal scale S is 0" in report["first_step"]["reason"]
+
+
+def test_bad_validation_options_are_listed_in_one_error_before_training(rl_setup):
+    run, setup = rl_setup
+    before = snapshot(setup.model)
+    bad = ValidationOptions(subsample=10, first_step_prompts=1, mask_densities=(0.0, 1.5), mask_seeds=0)
+    with pytest.raises(FisherSelectError) as err:
+        validate(run, 1, "sgd", 0.1, setup=setup, options=bad, **SMALL)
+    message = str(err.value)
+    for part in ("subsample must be at least 100", "first_step_prompts must be at least 2",
+                 "mask density 0.0 is not in (0, 1)", "mask density 1.5", "mask_seeds must be at least 1"):
+        assert part in message, part
+    assert all(torch.equal(before[n], t) for n, t in snapshot(setup.model).items())
+
+
+def test_bf16_lost_counts_updates_below_half_a_bf16_spacing():
+    """bf16 keeps 8 significant bits: at 1.0 the spacing is 2^-7, so an update below 2^-8 rounds away;
+    at 0 every tiny update survives (bf16 has fp32's exponent range)."""
+    model = torch.nn.Linear(5, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 1.0, 0.0, 3.0, -2.0]]))
+    start = snapshot(model)
+    with torch.no_grad():  # lost, kept, kept (at 0), unmoved, lost (-2.003: the spacing beyond 2 is 2^-6)
+        model.weight.add_(torch.tensor([[0.003, 0.005, 1e-30, 0.0, -0.003]]))
+    assert bf16_lost(model, start) == (4, 2)
+    moved = model.weight.detach() - start["weight"]
+    direct = ((start["weight"].bfloat16().float() + moved).bfloat16() == start["weight"].bfloat16()) & (moved != 0)
+    assert int(direct.sum()) == 2

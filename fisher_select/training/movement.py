@@ -39,3 +39,21 @@ def gradients(model) -> dict[str, torch.Tensor]:
         out[name] = torch.zeros(p.shape) if g is None else g.detach().to("cpu", torch.float32, copy=True)
     return out
 
+
+
+@torch.no_grad()
+def bf16_lost(model, start: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(coordinates that moved, of those the ones whose whole update a bf16 copy would lose).
+
+    Lost: the start rounded to bf16, plus the realized fp32 update, rounds back to the same bf16
+    value (the update is below half a bf16 spacing of the weight, about 2^-9 relative). A bf16
+    training applies the update in steps, each smaller still, so this undercounts what it loses.
+    """
+    moved = lost = 0
+    for name, p in model.named_parameters():
+        delta = p.detach().to("cpu", torch.float32) - start[name]
+        base = start[name].bfloat16()
+        changed = delta != 0
+        moved += int(changed.sum())
+        lost += int((changed & ((base.float() + delta).bfloat16() == base)).sum())
+    return moved, lost

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from fisher_select.training import baselines, plots
 from fisher_select.training.loop import Streams, TrainSettings, backward, make_task, pad_rows, token_weights, train
 from fisher_select.training.metrics import (TOP_K, Realized, Subsample, first_step_check, ranking_metrics,
                                             selection_metrics, spearman)
-from fisher_select.training.movement import gradients, movement, restore, snapshot
+from fisher_select.training.movement import bf16_lost, gradients, movement, restore, snapshot
 
 # Offsets of the random streams derived from the seed (each use gets its own, all reproducible).
 FIRST_STEP_STREAM, SINGLE_BATCH_STREAM, EVAL_STREAM, METRIC_STREAM, MASK_STREAM = (
@@ -56,6 +57,7 @@ class ValidationOptions:
     first_step_prompts: int | None = None  # the first-step batch (default 2 x prompts_per_step), in two halves
     eval_prompts: int = 8  # held-out prompts after the calibration's, for the training outcome
     mask_densities: tuple[float, ...] = ()  # masked fine-tuning: fisher / random / magnitude at these, + Spectrum
+    mask_seeds: int = 1  # masked fine-tuning repeated over seeds seed .. seed + n - 1: its spread over seeds
     adam_aware: bool = True
 
 
@@ -133,6 +135,8 @@ def _option_problems(o: ValidationOptions) -> list[str]:
     if o.first_step_prompts is not None and o.first_step_prompts < 2:
         out.append("first_step_prompts must be at least 2 (the batch is split in two halves)")
     out += [f"mask density {d} is not in (0, 1)" for d in o.mask_densities if not 0 < d < 1]
+    if o.mask_seeds < 1:
+        out.append(f"mask_seeds must be at least 1, got {o.mask_seeds}")
     return out
 
 
@@ -180,7 +184,7 @@ class _Validation:
         single = self._single_batch()
         main = self._train(self.settings.seed, "training")
         second = self._train(self.settings.seed + 1, "second seed") if self.options.second_seed else None
-        masked = self._masked(before, main["after"])
+        masked = self._masked(before, main, second)
         restore(self.model, self.theta0)
         report, figures = self._assemble(main, second, single, adam, first, first_rows, before, masked)
         if main["summary"]["max"] == 0:
@@ -256,40 +260,70 @@ class _Validation:
         log = train(self.model, self.task, settings, masks=masks, progress=self.progress, desc=label)
         self.logs[label] = log
         after = self.task.evaluate(self.setup.eval_prompts, self.settings.seed + EVAL_STREAM, settings.batch_size)
+        moved_count, lost = bf16_lost(self.model, self.theta0)
         delta = movement(self.model, self.theta0)
-        moved = sum(int((d > 0).sum()) for d in delta.values()) / self.sub.total
+        moved = moved_count / self.sub.total
         size = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         reduced = reduce(delta, self.sub)
         del delta
         restore(self.model, self.theta0)
         return {"seed": seed, "log": log, "after": after, "moved": reduced,
-                "summary": {"share_moved": moved, "l2_norm": size, "max": float(reduced.sub.max())}}
+                "summary": {"share_moved": moved, "l2_norm": size, "max": float(reduced.sub.max()),
+                            "bf16_lost_share": lost / moved_count if moved_count else None,
+                            "bf16_lost": "share of the moved coordinates whose whole update a bf16 copy of the "
+                                         "weights would round away (bf16(bf16(theta_0) + delta) == bf16(theta_0))"}}
 
-    def _masked(self, before: float, full_after: float) -> dict | None:
-        """Masked fine-tuning, same steps and seed as the full run: fisher_select's, a random and a
-        magnitude mask at each density, and Spectrum's module choice at its own density."""
+    def _masked(self, before: float, main: dict, second: dict | None) -> dict | None:
+        """Masked fine-tuning, same steps as the full runs: fisher_select's, a random and a magnitude
+        mask at each density, and Spectrum's module choice at its own density, each repeated over
+        ``mask_seeds`` seeds (each seed beside full fine-tuning with that seed; a fresh random mask)."""
         if not self.options.mask_densities:
             return None
-        gen = torch.Generator().manual_seed(self.settings.seed + MASK_STREAM)
-        scores = {"fisher": self.fisher,
-                  "random": {n: torch.rand(t.shape, generator=gen) for n, t in self.theta0.items()},
-                  "magnitude": {n: t.abs() for n, t in self.theta0.items()}}
-        masks = [(rule, global_top_masks(values, d))
-                 for d in self.options.mask_densities for rule, values in scores.items()]
+        seeds = [self.settings.seed + i for i in range(self.options.mask_seeds)]
+        full = {main["seed"]: main["after"]} | ({second["seed"]: second["after"]} if second else {})
+        for s in seeds:  # full fine-tuning per seed (the main and second-seed runs are reused)
+            if s not in full:
+                full[s] = self._train(s, f"full seed {s}")["after"]
         chosen = baselines.spectrum_selection(baselines.spectrum_module_scores(self.model))
-        masks.append(("spectrum", {n: torch.full(t.shape, module_of(n) in chosen) for n, t in self.theta0.items()}))
         runs = []
-        for rule, mask in masks:
-            trainable = sum(int(m.sum()) for m in mask.values())
-            density = trainable / self.sub.total
-            after = self._train(self.settings.seed, f"mask {rule} {density:.3g}", mask)["after"]
-            runs.append({"mask": rule, "density": density, "trainable": trainable, "after": after,
-                         "recovered": recovered_share(before, after, full_after)})
-        return {"before": before, "full_fine_tuning": full_after, "seed": self.settings.seed,
-                "recovered": "(after_mask - before) / (after_full - before) of the held-out objective",
+        for rule, density in [(r, d) for d in self.options.mask_densities for r in ("fisher", "random", "magnitude")]:
+            runs.append(self._mask_runs(rule, lambda s: global_top_masks(self._mask_scores(rule, s), density),
+                                        seeds, before, full))
+        spectrum = {n: torch.full(t.shape, module_of(n) in chosen) for n, t in self.theta0.items()}
+        runs.append(self._mask_runs("spectrum", lambda s: spectrum, seeds, before, full))
+        return {"before": before, "full_fine_tuning": main["after"], "seed": self.settings.seed, "seeds": seeds,
+                "full_fine_tuning_per_seed": [full[s] for s in seeds],
+                "recovered": "(after_mask - before) / (after_full - before) of the held-out objective, per seed "
+                             "against full fine-tuning with the same seed; 'after' and 'recovered' are means over seeds",
                 "spectrum": f"Spectrum's module choice ({len(chosen)} modules: top 50% per type by weight SNR "
                             "+ lm_head + embed_tokens); its density is what that choice holds",
                 "runs": runs}
+
+    def _mask_scores(self, rule: str, seed: int) -> dict[str, torch.Tensor]:
+        if rule == "fisher":
+            return self.fisher
+        if rule == "magnitude":
+            return {n: t.abs() for n, t in self.theta0.items()}
+        gen = torch.Generator().manual_seed(seed + MASK_STREAM)  # a fresh random mask per seed
+        return {n: torch.rand(t.shape, generator=gen) for n, t in self.theta0.items()}
+
+    def _mask_runs(self, rule: str, mask_for, seeds: list[int], before: float, full: dict) -> dict:
+        """One mask rule at one budget over the seeds: held-out outcome and share recovered per seed."""
+        per_seed = []
+        for s in seeds:
+            mask = mask_for(s)
+            trainable = sum(int(m.sum()) for m in mask.values())
+            after = self._train(s, f"mask {rule} {trainable / self.sub.total:.3g} seed {s}", mask)["after"]
+            per_seed.append({"seed": s, "after": after, "full_fine_tuning": full[s],
+                             "recovered": recovered_share(before, after, full[s])})
+        shares = [r["recovered"] for r in per_seed if r["recovered"] is not None]
+        out = {"mask": rule, "density": trainable / self.sub.total, "trainable": trainable,
+               "after": statistics.fmean(r["after"] for r in per_seed),
+               "recovered": statistics.fmean(shares) if len(shares) == len(per_seed) else None,
+               "per_seed": per_seed}
+        if len(shares) == len(per_seed) > 1:
+            out["recovered_spread"] = {"min": min(shares), "max": max(shares), "std": statistics.stdev(shares)}
+        return out
 
     # -- metrics and the report -----------------------------------------------------------------
 
@@ -587,6 +621,10 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"first-step check: {fs['violation_rate']:.2e} of coordinates above the bound "
                      f"({fs['violation_rate_beyond_rounding']:.2e} beyond fp32 rounding); noise alone: "
                      f"{fs['noise_violation_rate']:.2e}")
+    lost = report["movement_summary"]["main"].get("bf16_lost_share")
+    if lost is not None:
+        lines.append(f"bf16: {lost:.1%} of the moved coordinates' updates would round away in bf16 weights "
+                     "(fp32 master weights keep them)")
     return lines + masked_lines(report)
 
 
@@ -598,10 +636,13 @@ def masked_lines(report: dict) -> list[str]:
     lines = [f"masked fine-tuning (held-out {report['training_outcome']['held_out_metric'].split(',')[0]}: "
              f"before {masked['before']:.4f}, full fine-tuning {masked['full_fine_tuning']:.4f}; "
              f"recovered = {masked['recovered']})",
-             f"{'mask':<10} {'density':>8} {'trainable':>11} {'held-out after':>14} {'recovered':>9}"]
+             f"{'mask':<10} {'density':>8} {'trainable':>11} {'held-out after':>14} {'recovered':>9} "
+             f"{'over seeds (min..max)':>22}"]
     for r in masked["runs"]:
+        spread = r.get("recovered_spread")
+        spread = f"{_fmt(spread['min'])}..{_fmt(spread['max'])}" if spread else "one seed"
         lines.append(f"{r['mask']:<10} {r['density']:>8.4f} {r['trainable']:>11,} {r['after']:>14.4f} "
-                     f"{_fmt(r['recovered']):>9}")
+                     f"{_fmt(r['recovered']):>9} {spread:>22}")
     return lines
 
 
