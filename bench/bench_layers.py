@@ -18,6 +18,7 @@ of ``bench_engine.py`` reports per model.
 
     python bench/bench_layers.py                     # embedded default's shapes, batch 8 x 128
     python bench/bench_layers.py --batch 16 --length 256 --json layers.json
+    python bench/bench_layers.py --device cuda --batch 16
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ SMOLLM2_135M = [("q_proj / o_proj", 576, 576, "all"), ("k_proj / v_proj", 192, 5
 class Layer:
     """One layer's tensors and running sums, reused across rounds (as a calibration reuses them)."""
 
-    def __init__(self, out: int, inp: int, batch: int, tokens: int, block: int):
+    def __init__(self, out: int, inp: int, batch: int, tokens: int, block: int, device: str):
         gen = torch.Generator().manual_seed(0)
-        self.module = nn.Linear(inp, out, bias=False)
-        self.x = torch.randn(batch, tokens, inp, generator=gen)  # (B, T, in)
-        self.dy = torch.randn(batch, tokens, out, generator=gen)  # (B, T, out)
-        self.grad = torch.zeros(out, inp)
+        self.module = nn.Linear(inp, out, bias=False).to(device)
+        self.x = torch.randn(batch, tokens, inp, generator=gen).to(device)  # (B, T, in)
+        self.dy = torch.randn(batch, tokens, out, generator=gen).to(device)  # (B, T, out)
+        self.grad = torch.zeros(out, inp, device=device)
         self.cov = plan_coverage(self.module)
-        self.signal = torch.randn(1, batch, generator=gen)  # (O, B): one objective
+        self.signal = torch.randn(1, batch, generator=gen).to(device)  # (O, B): one objective
         self.full = ScoreSums.zeros(self.cov, 1)
         self.sq_only = ScoreSums.zeros(self.cov, None, totals=False)
         self.batch, self.block = batch, block
@@ -86,16 +87,19 @@ class Layer:
 MODES = ("floor", "engine", "squares", "pieces", "forward")
 
 
-def measure(layer: Layer, rounds: int, warmup: int) -> dict[str, float]:
+def measure(layer: Layer, rounds: int, warmup: int, device: str) -> dict[str, float]:
     calls = {m: getattr(layer, m) for m in MODES}
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(warmup):
         for call in calls.values():
             call()
     times = {m: [] for m in MODES}
     for _ in range(rounds):
         for m, call in calls.items():  # interleaved: A B C A B C ...
+            sync()
             start = time.perf_counter()
             call()
+            sync()
             times[m].append(time.perf_counter() - start)
     return {m: statistics.median(v) for m, v in times.items()}
 
@@ -108,17 +112,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--block", type=int, default=DEFAULT_BLOCK)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    print(f"batch {args.batch} x {args.length} tokens ({args.response} response), {torch.get_num_threads()} threads, "
+    print(f"{args.device}, batch {args.batch} x {args.length} tokens ({args.response} response), "
+          f"{torch.get_num_threads()} threads, "
           f"median of {args.rounds} interleaved rounds after {args.warmup} warm-up; times in ms")
     print("| layer (out x in) | forward | floor: dX + dW | engine: dX + squares + sums | squares alone "
           "| per-sample GEMMs alone | engine vs floor (fwd + bwd) | squares vs floor |")
     print("|---" * 8 + "|")
     rows = []
     for name, out, inp, where in SMOLLM2_135M:
-        layer = Layer(out, inp, args.batch, args.length if where == "all" else args.response, args.block)
-        t = measure(layer, args.rounds, args.warmup)
+        layer = Layer(out, inp, args.batch, args.length if where == "all" else args.response, args.block,
+                      args.device)
+        t = measure(layer, args.rounds, args.warmup, args.device)
         base = t["forward"] + t["floor"]
         ratio, sq = (t["forward"] + t["engine"]) / base, (t["forward"] + t["squares"]) / base
         rows.append({"layer": name, "out": out, "in": inp, **{m: t[m] for m in MODES},

@@ -371,6 +371,10 @@ def test_validate_end_to_end_writes_json_and_plots_and_restores_the_model(rl_set
     assert {"sum_sqrt_fisher", "sum_fisher", "chosen"} <= set(report["spearman_modules"])
     assert 0 <= report["first_step_violation_rate"] <= 1
     assert len(report["training_outcome"]["runs"]["main"]["per_step"]) == 2
+    # the prediction after each step; after the last step it is the report's own AUROC (same movement)
+    by_step = report["auroc_by_step"]
+    assert all(len(by_step[f"q{q}"]) == 2 for q in (0.99, 0.9))
+    assert by_step["q0.99"][-1] == report["auroc"]["q0.99"] and by_step["q0.9"][-1] == report["auroc"]["q0.9"]
     check_masked(report, run, setup.model)
     assert report["movement_summary"]["main"]["l2_norm"] > 0
     after = snapshot(setup.model)

@@ -285,11 +285,12 @@ def make_optimizer(params, settings: TrainSettings) -> torch.optim.Optimizer:
 
 
 def train(model, task, settings: TrainSettings, *, masks: dict | None = None, progress: bool = True,
-          desc: str = "training") -> list[dict]:
+          desc: str = "training", after_step=None) -> list[dict]:
     """Train ``model`` in place for ``settings.steps`` steps; one log entry per step.
 
     ``masks`` (name -> bool, True = may move): masked full fine-tuning through ``apply_masks``
     (masked coordinates stay bit-identical, AdamW's decay and momentum included).
+    ``after_step(step)``, if given, runs after each optimizer step (e.g. to record movement).
     """
     problems = settings.problems()
     if problems:
@@ -305,6 +306,8 @@ def train(model, task, settings: TrainSettings, *, masks: dict | None = None, pr
             optimizer.zero_grad(set_to_none=True)
             loss = backward(model, batch, task.pad, settings.batch_size)
             optimizer.step()
+            if after_step is not None:
+                after_step(step)
             log.append({"step": step, "loss": loss, "outcome": batch.outcome, "rows": len(batch.rows),
                         "rows_with_signal": batch.rows_with_signal()})
         optimizer.zero_grad(set_to_none=True)

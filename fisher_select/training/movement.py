@@ -57,3 +57,15 @@ def bf16_lost(model, start: dict[str, torch.Tensor]) -> tuple[int, int]:
         moved += int(changed.sum())
         lost += int((changed & ((base.float() + delta).bfloat16() == base)).sum())
     return moved, lost
+
+
+class LazyMovement(dict):
+    """``movement(model, start)`` computed one parameter at a time, when indexed (never all at once)."""
+
+    def __init__(self, model, start: dict[str, torch.Tensor]):
+        super().__init__()
+        self.params, self.start = dict(model.named_parameters()), start
+
+    @torch.no_grad()
+    def __missing__(self, name: str) -> torch.Tensor:
+        return (self.params[name].detach().to("cpu", torch.float32) - self.start[name]).abs()

@@ -37,9 +37,9 @@ from fisher_select.report.build import module_of
 from fisher_select.rundir import Run, coordinate_bound, load_run
 from fisher_select.training import baselines, plots
 from fisher_select.training.loop import Streams, TrainSettings, backward, make_task, pad_rows, token_weights, train
-from fisher_select.training.metrics import (TOP_K, Realized, Subsample, first_step_check, ranking_metrics,
-                                            selection_metrics, spearman)
-from fisher_select.training.movement import bf16_lost, gradients, movement, restore, snapshot
+from fisher_select.training.metrics import (QUANTILES, TOP_K, Realized, Subsample, auroc, first_step_check,
+                                            moved_mask, ranking_metrics, selection_metrics, spearman)
+from fisher_select.training.movement import LazyMovement, bf16_lost, gradients, movement, restore, snapshot
 
 # Offsets of the random streams derived from the seed (each use gets its own, all reproducible).
 FIRST_STEP_STREAM, SINGLE_BATCH_STREAM, EVAL_STREAM, METRIC_STREAM, MASK_STREAM = (
@@ -257,7 +257,13 @@ class _Validation:
         """One training run from theta_0; its log, held-out outcome and reduced movement."""
         restore(self.model, self.theta0)
         settings = dataclasses.replace(self.settings, seed=seed)
-        log = train(self.model, self.task, settings, masks=masks, progress=self.progress, desc=label)
+        by_step = []  # the main run's subsampled movement after each step: how the prediction drifts
+
+        def record(step: int) -> None:
+            by_step.append(self.sub.take(LazyMovement(self.model, self.theta0)))
+
+        log = train(self.model, self.task, settings, masks=masks, progress=self.progress, desc=label,
+                    after_step=record if masks is None and seed == self.settings.seed else None)
         self.logs[label] = log
         after = self.task.evaluate(self.setup.eval_prompts, self.settings.seed + EVAL_STREAM, settings.batch_size)
         moved_count, lost = bf16_lost(self.model, self.theta0)
@@ -267,7 +273,7 @@ class _Validation:
         reduced = reduce(delta, self.sub)
         del delta
         restore(self.model, self.theta0)
-        return {"seed": seed, "log": log, "after": after, "moved": reduced,
+        return {"seed": seed, "log": log, "after": after, "moved": reduced, "by_step": by_step,
                 "summary": {"share_moved": moved, "l2_norm": size, "max": float(reduced.sub.max()),
                             "bf16_lost_share": lost / moved_count if moved_count else None,
                             "bf16_lost": "share of the moved coordinates whose whole update a bf16 copy of the "
@@ -359,6 +365,7 @@ class _Validation:
                                             "(sum of |delta| over the module's coordinates)"},
             "module_table": [{"module": m, "sum_fisher": fisher.modules[m], "sum_sqrt_fisher": root.modules[m],
                               "movement": moved.modules[m]} for m in modules],
+            "auroc_by_step": self._by_step(fisher.sub, main["by_step"]),
             "first_step_violation_rate": first.get("violation_rate"), "first_step": first,
             "training_outcome": self._outcome(main, second, before, masked),
             "baselines": base,
@@ -373,6 +380,14 @@ class _Validation:
                    "bound_label": "bound sqrt(F S)" if scale_known else "sqrt(F) (S unknown)",
                    "outcome_label": self.task.outcome_name}
         return report, figures
+
+    @staticmethod
+    def _by_step(scores: torch.Tensor, by_step: list[torch.Tensor]) -> dict:
+        """The ranking's AUROC against the movement after each step (moved: above the q-quantile)."""
+        return {"meaning": "AUROC of the run's ranking for 'moved more than the q-quantile' against the "
+                           "movement after steps 1..N of the main run (how the prediction drifts with steps)",
+                **{f"q{q}": [auroc(scores, moved_mask(m, q)) if float(m.max()) > 0 else None for m in by_step]
+                   for q in QUANTILES}}
 
     def _entry(self, scores: torch.Tensor, module_scores: dict, moved: Reduced, modules, target, seed, how: str,
                curves: dict, label: str) -> dict:
@@ -621,6 +636,9 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"first-step check: {fs['violation_rate']:.2e} of coordinates above the bound "
                      f"({fs['violation_rate_beyond_rounding']:.2e} beyond fp32 rounding); noise alone: "
                      f"{fs['noise_violation_rate']:.2e}")
+    steps = report.get("auroc_by_step", {}).get("q0.99")
+    if steps:
+        lines.append("F AUROC@q0.99 after each step: " + ", ".join(_fmt(x) for x in steps))
     lost = report["movement_summary"]["main"].get("bf16_lost_share")
     if lost is not None:
         lines.append(f"bf16: {lost:.1%} of the moved coordinates' updates would round away in bf16 weights "
