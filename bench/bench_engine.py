@@ -82,8 +82,10 @@ def build_model(name: str, device: str, dtype: torch.dtype) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d = WIDTHS[name]
+    heads = d // 64
+    kv = max(k for k in range(1, max(1, d // 192) + 1) if heads % k == 0)  # grouped-query: kv divides heads
     config = LlamaConfig(vocab_size=49152, hidden_size=d, intermediate_size=8 * d // 3 // 64 * 64,
-                         num_hidden_layers=8, num_attention_heads=d // 64, num_key_value_heads=max(1, d // 192),
+                         num_hidden_layers=8, num_attention_heads=heads, num_key_value_heads=kv,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
@@ -555,6 +557,7 @@ def sweep(args) -> dict:
 
 def plot(result: dict, path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -569,7 +572,12 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel({"batch": "batch size", "length": "response tokens", "width": "width"}[result["sweep"]])
     ax.set_ylabel("time / plain forward+backward")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
     ax.axhline(1.0, color="gray", lw=0.5)
+    rounds = result["tables"][0].get("meta", {}).get("rounds")
+    if rounds:
+        ax.set_title(f"median of {rounds} interleaved round(s) per point", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
