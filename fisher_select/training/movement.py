@@ -24,10 +24,10 @@ def restore(model, saved: dict[str, torch.Tensor]) -> None:
         p.grad = None
 
 
-@torch.no_grad()
 def movement(model, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``|theta_i - theta0_i|`` per coordinate (fp32, CPU), parameter-shaped."""
-    return {name: (p.detach().to("cpu", torch.float32) - start[name]).abs() for name, p in model.named_parameters()}
+    lazy = LazyMovement(model, start)
+    return {name: lazy[name] for name in start}
 
 
 @torch.no_grad()
@@ -38,7 +38,6 @@ def gradients(model) -> dict[str, torch.Tensor]:
         g = p.grad
         out[name] = torch.zeros(p.shape) if g is None else g.detach().to("cpu", torch.float32, copy=True)
     return out
-
 
 
 @torch.no_grad()

@@ -182,7 +182,7 @@ class _Validation:
         before = self.task.evaluate(self.setup.eval_prompts, self.settings.seed + EVAL_STREAM, self.settings.batch_size)
         first, adam, first_rows = self._first_step()
         single = self._single_batch()
-        main = self._train(self.settings.seed, "training")
+        main = self._train(self.settings.seed, "training", record_steps=True)
         second = self._train(self.settings.seed + 1, "second seed") if self.options.second_seed else None
         masked = self._masked(before, main, second)
         restore(self.model, self.theta0)
@@ -253,17 +253,17 @@ class _Validation:
         self.model.zero_grad(set_to_none=True)
         return out
 
-    def _train(self, seed: int, label: str, masks: dict | None = None) -> dict:
+    def _train(self, seed: int, label: str, masks: dict | None = None, record_steps: bool = False) -> dict:
         """One training run from theta_0; its log, held-out outcome and reduced movement."""
         restore(self.model, self.theta0)
         settings = dataclasses.replace(self.settings, seed=seed)
-        by_step = []  # the main run's subsampled movement after each step: how the prediction drifts
+        by_step = []  # subsampled movement after each step (record_steps): how the prediction drifts
 
         def record(step: int) -> None:
             by_step.append(self.sub.take(LazyMovement(self.model, self.theta0)))
 
         log = train(self.model, self.task, settings, masks=masks, progress=self.progress, desc=label,
-                    after_step=record if masks is None and seed == self.settings.seed else None)
+                    after_step=record if record_steps else None)
         self.logs[label] = log
         after = self.task.evaluate(self.setup.eval_prompts, self.settings.seed + EVAL_STREAM, settings.batch_size)
         moved_count, lost = bf16_lost(self.model, self.theta0)
@@ -292,9 +292,13 @@ class _Validation:
                 full[s] = self._train(s, f"full seed {s}")["after"]
         chosen = baselines.spectrum_selection(baselines.spectrum_module_scores(self.model))
         runs = []
-        for rule, density in [(r, d) for d in self.options.mask_densities for r in ("fisher", "random", "magnitude")]:
-            runs.append(self._mask_runs(rule, lambda s: global_top_masks(self._mask_scores(rule, s), density),
-                                        seeds, before, full))
+        magnitude = {n: t.abs() for n, t in self.theta0.items()}
+        for d in self.options.mask_densities:  # the fisher and magnitude masks do not depend on the seed
+            fisher, mag = global_top_masks(self.fisher, d), global_top_masks(magnitude, d)
+            for rule, mask_for in (("fisher", lambda s: fisher),
+                                   ("random", lambda s: global_top_masks(self._random_scores(s), d)),
+                                   ("magnitude", lambda s: mag)):
+                runs.append(self._mask_runs(rule, mask_for, seeds, before, full))
         spectrum = {n: torch.full(t.shape, module_of(n) in chosen) for n, t in self.theta0.items()}
         runs.append(self._mask_runs("spectrum", lambda s: spectrum, seeds, before, full))
         return {"before": before, "full_fine_tuning": main["after"], "seed": self.settings.seed, "seeds": seeds,
@@ -305,11 +309,7 @@ class _Validation:
                             "+ lm_head + embed_tokens); its density is what that choice holds",
                 "runs": runs}
 
-    def _mask_scores(self, rule: str, seed: int) -> dict[str, torch.Tensor]:
-        if rule == "fisher":
-            return self.fisher
-        if rule == "magnitude":
-            return {n: t.abs() for n, t in self.theta0.items()}
+    def _random_scores(self, seed: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed + MASK_STREAM)  # a fresh random mask per seed
         return {n: torch.rand(t.shape, generator=gen) for n, t in self.theta0.items()}
 
