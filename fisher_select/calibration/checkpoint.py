@@ -75,7 +75,10 @@ class Checkpointer:
         self._check_start()
 
     def _check_start(self) -> None:
-        others = [p.name for p in Path(self.cfg.folder).glob("rank-*") if p.is_dir() and p != self.dir]
+        # Another world size wrote these. A rank of the same world without a complete checkpoint of
+        # its own (killed before its first one finished) restarts its shard: shards are independent.
+        others = [p.name for p in Path(self.cfg.folder).glob("rank-*")
+                  if p.is_dir() and p != self.dir and not p.name.endswith(f"-of-{self.world:03d}")]
         if self.cfg.resume and not self._newest() and others:
             raise FisherSelectError(
                 f"checkpoint folder {self.cfg.folder} holds {', '.join(sorted(others))} but this is rank {self.rank} "
