@@ -504,8 +504,13 @@ def as_json(meta: dict, results: dict[str, Result]) -> dict:
     base = floor.seconds if floor else None
     rows = {}
     for name, r in results.items():
+        # Each round's time over the floor's in the same round: interleaving makes the pairs share
+        # the machine's state, so their spread is the honest error bar of the ratio.
+        paired = ([t / f for t, f in zip(r.times, floor.times)]
+                  if floor and r.times and len(r.times) == len(floor.times) else [])
         rows[name] = {"label": LABELS[name], "median_s": r.seconds, "times_s": r.times,
                       "vs_floor": r.seconds / base if r.seconds and base else None,
+                      "paired_ratios": paired,
                       "state_mib": r.state_bytes / MIB, "transient_mib": max(r.transient) / MIB if r.transient else None,
                       "check_rel_err": r.check, "error": r.error, "note": r.note}
     return {"meta": meta, "modes": rows}
@@ -516,15 +521,18 @@ def print_table(table: dict) -> None:
     print(f"{m['model']} ({m['parameters'] / 1e6:.1f}M parameters, {m['dtype']}), batch {m['batch']} x {m['length']} "
           f"tokens ({m['response']} response), {m['device']}, {m['threads']} threads, median of {m['rounds']} "
           f"interleaved rounds after {m['warmup']} warm-up")
-    print("| pass | time (s) | vs floor | state (MiB) | transient peak (MiB) | squares vs fisher_select | note |")
-    print("|---|---|---|---|---|---|---|")
+    print("| pass | time (s) | vs floor | per-round ratio: median (min..max) | state (MiB) | transient peak (MiB) "
+          "| squares vs fisher_select | note |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in table["modes"].values():
         if row["median_s"] is None:
-            print(f"| {row['label']} | - | - | - | - | - | unavailable: {row['error']} |")
+            print(f"| {row['label']} | - | - | - | - | - | - | unavailable: {row['error']} |")
             continue
         check = "-" if row["check_rel_err"] is None else f"{row['check_rel_err']:.1e}"
         note = row["note"] + (f"; failed later: {row['error']}" if row["error"] else "")
-        print(f"| {row['label']} | {row['median_s']:.2f} | {row['vs_floor']:.2f}x | {row['state_mib']:.0f} "
+        pr = row.get("paired_ratios") or []
+        paired = f"{statistics.median(pr):.2f}x ({min(pr):.2f}..{max(pr):.2f})" if pr else "-"
+        print(f"| {row['label']} | {row['median_s']:.2f} | {row['vs_floor']:.2f}x | {paired} | {row['state_mib']:.0f} "
               f"| {row['transient_mib']:.0f} | {check} | {note} |")
 
 
