@@ -480,7 +480,10 @@ class _Validation:
         if self.settings.optimizer == "adamw":
             out.append("AdamW divides by a running RMS: over a few steps almost every coordinate with a nonzero "
                        "gradient moves by about lr, so a ranking by F or |g| is not expected to predict its "
-                       "movement (see auroc); the Adam-aware ranking is the measured alternative.")
+                       "movement (see auroc; the Adam-aware ranking is measured beside it, under adam_aware). "
+                       "Module movement then tracks module size: even the random ranking's module sums "
+                       "correlate with it (baselines.random.spearman_modules). Whether a mask still trains "
+                       "well is measured separately (training_outcome.masked_fine_tuning).")
         if self.settings.weight_decay > 0:
             out.append(f"weight decay {self.settings.weight_decay} moves every coordinate by about lr*wd*|theta|, "
                        "independently of its gradient.")
