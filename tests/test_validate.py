@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from fisher_select.calibration.calibrator import calibrate
-from fisher_select.calibration.objectives import RLObjective, SFTDemonstrationsObjective
+from fisher_select.calibration.objectives import OPDFullObjective, RLObjective, SFTDemonstrationsObjective
 from fisher_select.calibration.objectives.base import Context
 from fisher_select.calibration.prompts import PromptRecord
-from fisher_select.engine.reference import brute_force_sums, per_sample_scores
+from fisher_select.calibration.teachers import Teacher
+from fisher_select.engine.reference import brute_force_sums, per_sample_scores, per_token_scores
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.selection import top_count
 from fisher_select.report.build import module_of
@@ -201,6 +202,27 @@ def test_on_policy_loss_gradient_is_minus_the_mean_signal_weighted_score():
     for name, g in _grads(model).items():
         want = -weighted[name] / 12
         assert torch.allclose(g.double(), want, rtol=1e-4, atol=1e-7), name
+
+
+def test_full_vocabulary_distillation_loss_gradient_is_plus_the_mean_token_weighted_score():
+    """Token level: the loop descends sum_t A_t log pi(y_t|s_t); its gradient is
+    +(1/B) sum_n sum_t A_{n,t} d log pi(y_t|s_t), checked against one backward per response token."""
+    model, tok = tiny_model("llama-tied"), TinyTokenizer(64)
+    objective = OPDFullObjective(Teacher(tiny_model("llama-tied", seed=1), name="teacher"))
+    task = make_task(objective, Context(model, tok), _prompts(2), k=2, max_new_tokens=4)
+    batch = task.batch(2, Streams.from_seed(0, "cpu"))
+    assert len(batch.rows) == 4
+    assert any(len(set(w.tolist())) > 1 for w in batch.weights)  # per-token signals, not one per row
+    model.zero_grad()
+    backward(model, batch, task.pad, micro=3)  # micro-batches of 3 and 1 rows
+    want = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    for row, a in zip(batch.rows, batch.weights):
+        prompt, response = row.ids[: row.start], row.ids[row.start :]
+        for a_t, h_t in zip(a.tolist(), per_token_scores(model, prompt, response)):
+            for n in want:
+                want[n] += a_t * h_t[n] / len(batch.rows)
+    for name, g in _grads(model).items():
+        assert torch.allclose(g.double(), want[name], rtol=1e-4, atol=1e-7), name
 
 
 def test_demonstration_loss_gradient_is_minus_the_mean_demonstration_score(tmp_path):
