@@ -548,7 +548,7 @@ def sweep(args) -> dict:
     """One table per value of the swept quantity; the same model where only the batch changes."""
     tables = []
     model = None
-    for value in SWEEPS[args.sweep]:
+    for value in args.values or SWEEPS[args.sweep]:
         if args.sweep == "batch":
             args.batch = value
             model = model or build_model(args.model, args.device, getattr(torch, args.dtype))
@@ -610,6 +610,10 @@ def parse_args(argv=None):
     ap.add_argument("--vmap-chunk", type=int, default=2,
                     help="samples per vmap(grad) call (0: the whole batch; memory grows with it)")
     ap.add_argument("--sweep", choices=list(SWEEPS))
+    ap.add_argument("--values", nargs="+", type=lambda v: int(v) if v.isdigit() else v,
+                    help="with --sweep: these values instead of the default ones (e.g. to remeasure some points)")
+    ap.add_argument("--replace-in", help="with --sweep --values: put these points into this earlier sweep's JSON "
+                                         "(then --json / --plot write the merged sweep)")
     ap.add_argument("--plot", help="with --sweep: write the ratio curves here (PNG)")
     ap.add_argument("--json", help="write the table(s) here")
     return ap.parse_args(argv)
@@ -621,6 +625,17 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     if args.sweep:
         result = sweep(args)
+        if args.replace_in:  # remeasured points replace theirs in an earlier sweep (same sweep kind)
+            with open(args.replace_in) as f:
+                earlier = json.load(f)
+            fresh = {t["value"]: t for t in result["tables"]}
+            fresh_values = list(fresh)
+            result = {**earlier, "tables": [fresh.pop(t["value"], t) for t in earlier["tables"]] + list(fresh.values())}
+            result["tables"].sort(key=lambda t: SWEEPS[args.sweep].index(t["value"]) if t["value"] in SWEEPS[args.sweep]
+                                  else len(SWEEPS[args.sweep]))
+            print(f"\nmerged with {args.replace_in} (points {', '.join(map(str, fresh_values))} remeasured):")
+            for table in result["tables"]:
+                print_table(table)
         if args.plot:
             plot(result, args.plot)
     else:
