@@ -591,6 +591,13 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def merged_sweep(earlier: dict, fresh: dict, order: list) -> dict:
+    """``earlier`` with ``fresh``'s points in place of its own, in the sweep's order (others last)."""
+    by_value = {t["value"]: t for t in earlier["tables"]} | {t["value"]: t for t in fresh["tables"]}
+    rank = {v: i for i, v in enumerate(order)}
+    return {**earlier, "tables": sorted(by_value.values(), key=lambda t: rank.get(t["value"], len(order)))}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", choices=["default", *WIDTHS],
@@ -627,13 +634,8 @@ def main(argv=None) -> None:
         result = sweep(args)
         if args.replace_in:  # remeasured points replace theirs in an earlier sweep (same sweep kind)
             with open(args.replace_in) as f:
-                earlier = json.load(f)
-            fresh = {t["value"]: t for t in result["tables"]}
-            fresh_values = list(fresh)
-            result = {**earlier, "tables": [fresh.pop(t["value"], t) for t in earlier["tables"]] + list(fresh.values())}
-            result["tables"].sort(key=lambda t: SWEEPS[args.sweep].index(t["value"]) if t["value"] in SWEEPS[args.sweep]
-                                  else len(SWEEPS[args.sweep]))
-            print(f"\nmerged with {args.replace_in} (points {', '.join(map(str, fresh_values))} remeasured):")
+                result = merged_sweep(json.load(f), result, SWEEPS[args.sweep])
+            print(f"\nmerged with {args.replace_in} (points {', '.join(map(str, args.values or []))} remeasured):")
             for table in result["tables"]:
                 print_table(table)
         if args.plot:
