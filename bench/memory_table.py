@@ -123,7 +123,7 @@ def main(argv=None) -> None:
           f"objective(s){' and the stability half (+4)' if stability else ''}: "
           + ", ".join(f"{m} {accumulator_bytes(m, args.objectives, stability)}" for m in MODES) + ".\n")
     print("\n".join(table(args.objectives, args.batch, args.tokens, stability)))
-    print(f"\nGPU sizes as sold (decimal GB); real cards hold a few % more, minus ~1 GB of CUDA context.")
+    print("\nGPU sizes as sold (decimal GB); real cards hold a few % more, minus ~1 GB of CUDA context.")
     if not args.no_measure:
         print(f"\nMeasured on the embedded default (SmolLM2-135M-Instruct), ScoreSums.nbytes(), O = {args.objectives}, "
               "without the stability half:\n")

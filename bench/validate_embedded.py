@@ -26,7 +26,7 @@ from pathlib import Path
 from fisher_select.config import find_recipe, load_recipe
 from fisher_select.pipeline import run_recipe
 from fisher_select.rundir import load_run
-from fisher_select.training.validate import ValidationOptions, summary_lines, validate
+from fisher_select.training.validate import ValidationConfig, validate, validation_summary_lines
 
 RECIPES = {"rl": "rl-arithmetic", "sft": "sft-demonstrations"}
 COLUMNS = ("random", "magnitude", "single_batch_gradient", "second_seed", "spectrum_snr", "kappa")
@@ -174,16 +174,16 @@ def main(argv=None) -> int:
     else:
         run = calibrated(args)
     out = run / f"validation-{args.objective}-{args.optimizer}-lr{lr:g}-wd{args.weight_decay:g}-s{args.steps}-seed{args.seed}"
-    options = ValidationOptions(subsample=args.subsample, eval_prompts=args.eval_prompts,
+    options = ValidationConfig(subsample=args.subsample, eval_prompts=args.eval_prompts,
                                 first_step_prompts=args.first_step_prompts, second_seed=not args.no_second_seed,
                                 mask_densities=tuple(args.mask_densities), mask_seeds=args.mask_seeds)
     new_tokens = args.train_new_tokens or args.max_new_tokens
     started = time.time()
     result = validate(run, args.steps, args.optimizer, lr, args.weight_decay, args.seed, out=out, overwrite=True,
-                      options=options, setup=setup, device=args.device, progress=not args.quiet,
+                      config=options, setup=setup, device=args.device, progress=not args.quiet,
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
                       max_new_tokens=new_tokens)
-    print("\n".join(summary_lines(result.report)))
+    print("\n".join(validation_summary_lines(result.report)))
     cal = load_run(run).report  # the calibration used (with --fisher-run: that run's, not the flags')
     print(f"\nsettings: calibration {cal.num_prompts} x {cal.samples_per_prompt}, {cal.max_new_tokens} new tokens; "
           f"{args.steps} steps of {args.prompts_per_step} x {args.samples_per_prompt}, {new_tokens} new tokens"

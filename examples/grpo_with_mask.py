@@ -18,7 +18,7 @@ Measured on a shared 2-core CPU (load average about 7, so read these as upper bo
 defaults took 820 s wall (470 s CPU), of which calibration 579 s; ``--lora --reuse`` on that run
 took 210 s. The sizes (two steps, four prompts) only show the plumbing, not a useful training run;
 a step whose group of rewards is constant has no gradient, and only weight decay moves weights. The bound is for one step in expectation: under AdamW the mask is what keeps coordinates still,
-not the bound (PITFALLS.md, "Adam is not SGD").
+not the bound (docs/PITFALLS.md, "Adam is not SGD").
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from fisher_select.calibration.prompts import PromptRecord, load_prompts  # noqa
 from fisher_select.calibration.rewards import numeric_match  # noqa: E402
 from fisher_select.config import find_recipe, load_recipe  # noqa: E402
 from fisher_select.models import EMBEDDED_DEFAULT, load_model  # noqa: E402
-from fisher_select.outputs.masking import FisherMaskCallback  # noqa: E402
-from fisher_select.outputs.peft_hints import lora_config  # noqa: E402
-from fisher_select.outputs.selection import select_masks  # noqa: E402
+from fisher_select.outputs.lora import lora_config  # noqa: E402
+from fisher_select.outputs.masks import FisherMaskCallback, select_masks  # noqa: E402
 from fisher_select.pipeline import run_recipe  # noqa: E402
 from fisher_select.rundir import load_run  # noqa: E402
 

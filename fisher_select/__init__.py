@@ -1,22 +1,43 @@
-"""fisher_select: locate the parameter coordinates fine-tuning is likely to move, before it runs."""
+"""fisher_select: locate the parameter coordinates fine-tuning is likely to move, before it runs.
 
-from fisher_select.calibration.calibrator import Calibration, calibrate
-from fisher_select.calibration.objectives import Objective, RLObjective
-from fisher_select.calibration.prompts import PromptRecord, load_prompts
-from fisher_select.calibration.rewards import numeric_match, regex_match
-from fisher_select.engine.scoring import ScoreSums, plan_coverage, score_sums
-from fisher_select.errors import FisherSelectError
-from fisher_select.models import fingerprint, load_model
-from fisher_select.outputs.selection import load_masks, save_masks, select_masks
-from fisher_select.rundir import Run, load_run
+Every name below is imported on first use (PEP 562), so ``import fisher_select`` and the CLI's
+light commands (``--version``, ``recipes``) never load torch, transformers or PEFT.
+"""
 
-__version__ = "0.1.0"
+from fisher_select.version import __version__
 
-# Imported on first use: masking needs transformers' Trainer, peft_hints needs peft (slow imports
-# that calibration does not need).
-_LAZY = {"FisherMaskCallback": "fisher_select.outputs.masking", "MaskHandle": "fisher_select.outputs.masking",
-         "apply_masks": "fisher_select.outputs.masking", "lora_config": "fisher_select.outputs.peft_hints",
-         "shira_config": "fisher_select.outputs.peft_hints"}
+_LAZY = {
+    "Calibration": "fisher_select.calibration.calibrator",
+    "CalibrationConfig": "fisher_select.calibration.settings",
+    "calibrate": "fisher_select.calibration.calibrator",
+    "Objective": "fisher_select.calibration.objectives",
+    "RLObjective": "fisher_select.calibration.objectives",
+    "PromptRecord": "fisher_select.calibration.prompts",
+    "load_prompts": "fisher_select.calibration.prompts",
+    "numeric_match": "fisher_select.calibration.rewards",
+    "regex_match": "fisher_select.calibration.rewards",
+    "ScoreSums": "fisher_select.engine.scoring",
+    "plan_coverage": "fisher_select.engine.scoring",
+    "score_sums": "fisher_select.engine.scoring",
+    "FisherSelectError": "fisher_select.errors",
+    "fingerprint": "fisher_select.models",
+    "load_model": "fisher_select.models",
+    "Run": "fisher_select.rundir",
+    "load_run": "fisher_select.rundir",
+    "MaskSet": "fisher_select.outputs.masks",
+    "select_masks": "fisher_select.outputs.masks",
+    "save_masks": "fisher_select.outputs.masks",
+    "load_masks": "fisher_select.outputs.masks",
+    "apply_masks": "fisher_select.outputs.masks",
+    "MaskHandle": "fisher_select.outputs.masks",
+    "FisherMaskCallback": "fisher_select.outputs.masks",
+    "LoraHintConfig": "fisher_select.outputs.lora",
+    "LoraHints": "fisher_select.outputs.lora",
+    "lora_hints": "fisher_select.outputs.lora",
+    "lora_config": "fisher_select.outputs.lora",
+    "load_lora_config": "fisher_select.outputs.lora",
+    "shira_config": "fisher_select.outputs.shira",
+}
 
 
 def __getattr__(name: str):
@@ -26,9 +47,9 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fisher_select' has no attribute {name!r}")
 
-__all__ = [
-    "Calibration", "FisherMaskCallback", "FisherSelectError", "MaskHandle", "Objective", "PromptRecord",
-    "RLObjective", "Run", "ScoreSums", "__version__", "apply_masks", "calibrate", "fingerprint", "load_masks",
-    "load_model", "load_prompts", "load_run", "lora_config", "numeric_match", "plan_coverage", "regex_match",
-    "save_masks", "score_sums", "select_masks", "shira_config",
-]
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = ["__version__", *sorted(_LAZY)]

@@ -8,7 +8,8 @@ import logging
 import pkgutil
 import sys
 
-from fisher_select import __version__, commands
+from fisher_select import commands
+from fisher_select.version import __version__
 from fisher_select.atomic import Terminated, raise_on_sigterm
 from fisher_select.errors import FisherSelectError, ResourceError
 

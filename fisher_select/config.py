@@ -20,19 +20,21 @@ import yaml
 
 from fisher_select.calibration.objectives.registry import OBJECTIVE_TYPES
 from fisher_select.calibration.sampling import SamplingConfig
-from fisher_select.calibration.settings import CalibrationSettings
+from fisher_select.calibration.settings import CalibrationConfig
 from fisher_select.calibration.teachers import TeacherConfig
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import DTYPES, EMBEDDED_DEFAULT, QUANTIZATIONS
-from fisher_select.validation import build_dataclass, describe_field, fields_table, same_field
+from fisher_select.fields import build_dataclass, describe_field, fields_table
 
 _SINGLE = "objective"  # a recipe may give one objective under this key instead of a list
 _FILE_KEYS = ("prompts", "rollouts")  # relative paths: relative to the recipe file (or, from a flag, to the working directory)
 
 
-@dataclass
-class RecipeConfig:
-    """Everything one calibration run needs; CLI flags override these fields."""
+@dataclass(kw_only=True)
+class RecipeConfig(CalibrationConfig):
+    """Everything one calibration run needs; CLI flags override these fields. The calibration's own
+    fields (samples per prompt, response length, seed, batch size, memory mode) are inherited from
+    ``CalibrationConfig``, declared once there; ``calibration_config()`` hands them to ``calibrate``."""
 
     objectives: list = field(metadata={
         "help": "the objectives, each a mapping with a 'type' and that type's keys (below); "
@@ -46,15 +48,6 @@ class RecipeConfig:
     rollouts: str | None = field(default=None, metadata={
         "help": "score these rollouts (JSONL, or Parquet with pyarrow) instead of sampling: their prompts and K "
                 "replace prompts and samples_per_prompt; field mapping in docs/ROLLOUTS.md"})
-    samples_per_prompt: int = same_field(CalibrationSettings, "samples_per_prompt")
-    max_new_tokens: int = same_field(CalibrationSettings, "max_new_tokens")
-    seed: int = same_field(CalibrationSettings, "seed")
-    batch_size: int = same_field(CalibrationSettings, "batch_size")
-    truncate_prompts: bool = same_field(CalibrationSettings, "truncate_prompts")
-    accumulators: str = same_field(CalibrationSettings, "accumulators")
-    modules: str | None = same_field(CalibrationSettings, "modules")
-    accumulate_on: str = same_field(CalibrationSettings, "accumulate_on")
-    stability: bool = same_field(CalibrationSettings, "stability")
     checkpoint_every: int | None = field(default=None, metadata={
         "help": "write a checkpoint (accumulators, generator states, samples) to OUT.checkpoint/ every N prompt "
                 "batches, so `calibrate --resume` continues after a kill; each costs the accumulators' bytes "

@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from fisher_select.atomic import publish_dir
 from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
+from fisher_select.rundir import MODEL_SOURCE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     source = {"gguf": str(gguf_path), "size": gguf_path.stat().st_size}
-    (out_dir / "fisher_select_source.json").write_text(json.dumps(source, indent=1))
+    (out_dir / MODEL_SOURCE_FILE).write_text(json.dumps(source, indent=1))
 
 
 def ensure_converted(gguf_path: Path | str) -> Path:

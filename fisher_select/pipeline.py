@@ -5,18 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fisher_select.atomic import check_dir_target, check_writable
 from fisher_select.calibration.calibrator import Calibration, calibrate, check_inputs
-from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
-from fisher_select.calibration.distributed import init_from_env, rank_world
-from fisher_select.models import fingerprint, load_model
-from fisher_select.calibration.checkpoint import CheckpointConfig, checkpoint_folder
+from fisher_select.calibration.checkpoint import CheckpointConfig
 from fisher_select.calibration.checkpoint import finish as finish_checkpoint
 from fisher_select.calibration.prompts import load_prompts
 from fisher_select.calibration.rollouts import load_rollouts
-from fisher_select.report.build import build_report, write_run
-from fisher_select.atomic import check_dir_target, check_writable
-from fisher_select.rundir import ModelInfo, RunReport, run_bytes
 from fisher_select.calibration.sampling import SamplingConfig
+from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
+from fisher_select.distributed import init_from_env, rank_world
+from fisher_select.models import fingerprint, load_model
+from fisher_select.run_report import build_report, write_run
+from fisher_select.rundir import ModelInfo, RunReport, checkpoint_folder, run_bytes
 
 
 @dataclass
@@ -51,11 +51,8 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     check_writable(out.parent, run_bytes(model_fingerprint["num_parameters"], len(objectives)))
     ckpt = CheckpointConfig(checkpoint_folder(out), recipe.checkpoint_every, resume, discard_existing=overwrite,
                             model_id=model_fingerprint["id"], keep_when_done=True)
-    cal = calibrate(model, tokenizer, prompts, objectives, samples_per_prompt=recipe.samples_per_prompt,
-                    max_new_tokens=recipe.max_new_tokens, seed=recipe.seed, batch_size=recipe.batch_size,
-                    truncate_prompts=recipe.truncate_prompts, sampling=sampling, progress=progress and rank == 0,
-                    accumulators=recipe.accumulators, modules=recipe.modules, accumulate_on=recipe.accumulate_on,
-                    stability=recipe.stability, rollouts=rollouts, checkpoint=ckpt)
+    cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
+                    progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt)
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
     settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,

@@ -24,23 +24,72 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from fisher_select.atomic import write_dir, write_file
+from fisher_select.atomic import write_file
 from fisher_select.errors import FisherSelectError
 
-FORMAT_VERSION = 2  # 1: fisher_select 0.1.0 (no format_version key)
+FORMAT_VERSION = 3  # 1: fisher_select 0.1.0 (no format_version key); 2: module masses named "mass"
+
+# ---------------------------------------------------------------------------
+# Every file name fisher_select writes, in one place
+
+# A run directory (`fisher-select calibrate --out RUN`)
 FISHER_FILE = "fisher.safetensors"
 BOUNDS_FILE = "bounds.safetensors"
-GRAD_FILE = "grad_estimate.safetensors"
+GRAD_FILE = "grad_estimate.safetensors"  # the primary objective's
+GRAD_FILE_OF = "grad_estimate-{objective}.safetensors"  # every further objective's
+GRAD_GLOB = "grad_estimate*.safetensors"
 TOKEN_FISHER_FILE = "fisher_token.safetensors"
 SAMPLES_FILE = "samples.jsonl"
 REPORT_FILE = "report.json"
 HTML_FILE = "report.html"
+MARKDOWN_FILE = "report.md"
+# `fisher-select validate` inside a run directory: RUN/validation-<optimizer>-seed<seed>/
+VALIDATION_DIR = "validation-{optimizer}-seed{seed}"
+VALIDATION_GLOB = "validation-*/validation.json"
+VALIDATION_FILE = "validation.json"
+VALIDATION_PLOTS = {"bound": "bound_vs_movement.png", "curves": "precision_at_k.png",
+                    "objective": "objective_per_step.png"}
+# A calibration checkpoint beside the run: RUN.checkpoint/rank-000-of-001/batch-000004/
+CHECKPOINT_SUFFIX = ".checkpoint"
+CHECKPOINT_RANK_DIR = "rank-{rank:03d}-of-{world:03d}"
+CHECKPOINT_BATCH_DIR = "batch-{batches:06d}"
+CHECKPOINT_BATCH_PATTERN = r"^batch-(\d{6})$"
+CHECKPOINT_MANIFEST, CHECKPOINT_TENSORS, CHECKPOINT_SAMPLES = "manifest.json", "tensors.safetensors", "samples.jsonl"
+# A mask file FILE (safetensors of booleans) and its sidecar FILE.json
+MASK_FORMAT = "fisher_select.masks/1"
+MASK_SIDECAR_SUFFIX = ".json"
+# A LoRA hint directory: PEFT's own config file name, and the provenance beside it
+LORA_CONFIG_FILE = "adapter_config.json"  # peft.utils.CONFIG_NAME (checked in the tests)
+LORA_PROVENANCE_FILE = "fisher_select_provenance.json"
+LORA_PROVENANCE_FORMAT = "fisher_select.lora_provenance/1"
+# A sparse delta directory (``outputs.sparse``): indices + values, provenance
+SPARSE_DELTA_FILE = "sparse_delta.safetensors"
+SPARSE_META_FILE = "sparse_delta.json"
+SPARSE_FORMAT = "fisher_select.sparse_delta/1"
+# The embedded default converted from its GGUF, in the model cache
+MODEL_SOURCE_FILE = "fisher_select_source.json"
+
+
+def sidecar_path(path: "str | os.PathLike") -> Path:
+    """``<path>.json``: the human-readable copy of a mask file's metadata."""
+    path = Path(path)
+    return path.with_name(path.name + MASK_SIDECAR_SUFFIX)
+
+
+def checkpoint_folder(out: "str | os.PathLike") -> Path:
+    """``OUT.checkpoint`` beside the run directory ``OUT``."""
+    out = Path(out)
+    return out.with_name(out.name + CHECKPOINT_SUFFIX)
+
+
+def validation_dir(run_path: "str | os.PathLike", optimizer: str, seed: int) -> Path:
+    """Where `fisher-select validate` writes by default: inside the run directory."""
+    return Path(run_path) / VALIDATION_DIR.format(optimizer=optimizer, seed=seed)
 
 
 # ---------------------------------------------------------------------------
@@ -172,21 +221,22 @@ class ObjectiveEntry:
 
 @dataclass
 class ModuleEntry:
-    """Per-module aggregates of F (and of the bound, when S is known)."""
+    """Per-module aggregates of F. Two masses, never confused: the **Fisher mass** (sum of F, dominated
+    by a few huge coordinates) and the **bound mass** (sum of sqrt(F): the sum of the module's bounds
+    up to the objective's constant sqrt(S)). Modules rank by bound mass: it tracks how much training
+    moves a module, the Fisher mass does not (docs/VALIDATION.md)."""
 
     name: str
     numel: int
     fisher_mass: float  # sum of F over the module
     parameters: list[str]
     type: str | None = None  # module class name
-    mass_share: float = 0.0  # fisher_mass / total
-    sqrt_fisher_mean: float = 0.0  # mean of sqrt(F) (the bound's mass per coordinate, up to sqrt(S))
-    bound_mean: float | None = None
+    fisher_share: float = 0.0  # fisher_mass / the model's total
+    bound_mass: float = 0.0  # sum of sqrt(F) over the module
+    bound_share: float = 0.0  # bound_mass / the model's total
+    sqrt_fisher_mean: float = 0.0  # bound_mass / numel
+    bound_mean: float | None = None  # sqrt_fisher_mean * sqrt(S) (None: S unknown)
     bound_max: float | None = None
-    # sum of sqrt(F): what report tables rank modules by (PITFALLS.md: it predicts module movement, the sum
-    # of F, dominated by a few huge coordinates, does not)
-    sqrt_fisher_mass: float = 0.0
-    sqrt_mass_share: float = 0.0  # sqrt_fisher_mass / total
     fisher_mass_rel_stderr: float | None = None  # of fisher_mass, from the per-batch spread (None: not measured)
 
 
@@ -235,18 +285,24 @@ class RunReport:
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> "RunReport":
+        if not isinstance(data, dict):
+            raise FisherSelectError(f"{where} holds a JSON {type(data).__name__}, not a run report; {REWRITE_ADVICE}")
         version = data.get("format_version", 1)
         if version != FORMAT_VERSION:
             made = data.get("fisher_select_version", "an older release")
             raise FisherSelectError(
                 f"{where} was made by fisher_select {made} (run format {version}); this is format {FORMAT_VERSION}: "
                 f"re-run `fisher-select calibrate`, or upgrade it in place with `fisher-select migrate {Path(where).parent}`")
-        own = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in own}
-        kwargs["model"] = ModelInfo(**data["model"])
-        kwargs["objectives"] = [ObjectiveEntry.from_json(o) for o in data["objectives"]]
-        kwargs["modules"] = [ModuleEntry(**m) for m in data["modules"]]
-        return cls(**kwargs)
+        try:
+            own = {f.name for f in dataclasses.fields(cls)}
+            kwargs = {k: v for k, v in data.items() if k in own}
+            kwargs["model"] = ModelInfo(**data["model"])
+            kwargs["objectives"] = [ObjectiveEntry.from_json(o) for o in data["objectives"]]
+            kwargs["modules"] = [ModuleEntry(**m) for m in data["modules"]]
+            return cls(**kwargs)
+        except (KeyError, TypeError, AttributeError) as err:  # a key missing, or of the wrong kind
+            raise FisherSelectError(f"{where} is not a fisher_select run report ({type(err).__name__}: {err}); "
+                                    f"{REWRITE_ADVICE}") from None
 
 
 def new_run_id() -> str:
@@ -302,60 +358,115 @@ def load_run(run: "str | os.PathLike | Run") -> Run:
         raise FisherSelectError(
             f"{path} is not a fisher_select run directory (no {REPORT_FILE} / {FISHER_FILE}); "
             "pass the --out directory of `fisher-select calibrate`")
-    report = RunReport.from_json(json.loads(report_path.read_text()), str(report_path))
+    report = RunReport.from_json(read_json(report_path), str(report_path))
     token = path / TOKEN_FISHER_FILE
-    return Run(report=report, fisher=load_file(str(path / FISHER_FILE)), path=path,
-               token_fisher=load_file(str(token)) if token.is_file() else None)
+    return Run(report=report, fisher=read_tensors(path / FISHER_FILE), path=path,
+               token_fisher=read_tensors(token) if token.is_file() else None)
+
+
+# Format 2 -> 3: the module masses got one name each (fisher_mass / bound_mass, never "mass").
+_MODULE_RENAMES_2 = {"mass_share": "fisher_share", "sqrt_fisher_mass": "bound_mass", "sqrt_mass_share": "bound_share"}
+_STATISTICS_RENAMES_2 = {"stability": {"spearman_sqrt_mass": "spearman_bound_mass", "spearman_mass": "spearman_fisher_mass",
+                                       "module_sqrt_mass": "module_bound_mass"},
+                         "concentration": {"mass_shares": "fisher_mass_shares"}}
+
+
+def _rename(entry, renames: dict) -> None:
+    for old, new in renames.items():
+        if isinstance(entry, dict) and old in entry:
+            entry[new] = entry.pop(old)
 
 
 def migrate(path: "str | os.PathLike") -> Path:
-    """Upgrade a format-1 run directory (fisher_select 0.1.0) in place: its report gains the version key.
+    """Upgrade a run directory of an older format in place (only report.json changes; tensors never do).
 
-    Format 2 changed no tensor and no report field, so the upgrade only records the version.
+    Format 1 (fisher_select 0.1.0) lacked the version key; format 2 named the module masses
+    ``mass_share`` / ``sqrt_fisher_mass`` / ``sqrt_mass_share``, now ``fisher_share`` / ``bound_mass`` /
+    ``bound_share``.
     """
     report_path = Path(path) / REPORT_FILE
     if not report_path.is_file():
         raise FisherSelectError(f"{path} is not a fisher_select run directory (no {REPORT_FILE})")
-    data = json.loads(report_path.read_text())
+    data = read_json(report_path)
     version = data.get("format_version", 1)
     if version == FORMAT_VERSION:
         return report_path
-    if version != 1:
+    if version not in (1, 2):
         raise FisherSelectError(f"{report_path} has run format {version}, which this release cannot migrate")
+    for module in data.get("modules", []):
+        _rename(module, _MODULE_RENAMES_2)
+    for section, renames in _STATISTICS_RENAMES_2.items():
+        _rename((data.get("statistics") or {}).get(section), renames)
     data["format_version"] = FORMAT_VERSION
     RunReport.from_json(data, str(report_path))  # refuse what would not load afterwards
-    write_file(report_path, lambda tmp: _write_json(tmp, data), overwrite=True)
+    write_file(report_path, lambda tmp: write_json(tmp, data), overwrite=True)
     return report_path
 
 
-def compare_runs(a: "str | os.PathLike", b: "str | os.PathLike") -> list[str]:
-    """Differences between two run directories' contents: every tensor file, tensor by tensor and
-    bit for bit, the samples, and the report except what identifies the run (id, time). [] if none."""
+@dataclass
+class RunDifferences:
+    """What two run directories differ in: their results (tensors, samples, report) and, apart,
+    where they were made (``environment``: one line per library whose version differs)."""
+
+    results: list[str]
+    environment: list[str]
+
+    @property
+    def identical_results(self) -> bool:
+        return not self.results
+
+
+# Report keys that identify a run or say where it was made, not what it found.
+_IDENTITY_KEYS = ("run_id", "created", "command_line", "environment")
+
+
+def compare_runs(a: "str | os.PathLike", b: "str | os.PathLike") -> RunDifferences:
+    """Two run directories' contents compared: every tensor file tensor by tensor and bit for bit, the
+    samples, then the report except what identifies the run (id, time, command line); the environment
+    (Python, platform, library versions) is compared apart."""
     a, b = Path(a), Path(b)
     load_run(a), load_run(b)  # both must be runs of this format
+    diffs = _tensor_differences(a, b)
+    if (a / SAMPLES_FILE).read_bytes() != (b / SAMPLES_FILE).read_bytes():
+        diffs.append(f"{SAMPLES_FILE} differs (other samples: seed, settings or model)")
+    ra, rb = (read_json(d / REPORT_FILE) for d in (a, b))
+    for key in sorted(set(ra) | set(rb)):
+        if key not in _IDENTITY_KEYS and ra.get(key) != rb.get(key):
+            diffs.append(f"{REPORT_FILE}: {key} differs")
+    return RunDifferences(diffs, environment_differences(ra.get("environment") or {}, rb.get("environment") or {}))
+
+
+def _tensor_differences(a: Path, b: Path) -> list[str]:
     diffs = []
     files = sorted(set(_run_tensor_files(a)) | set(_run_tensor_files(b)))  # masks saved beside a run are not part of it
     for name in files:
         if not (a / name).is_file() or not (b / name).is_file():
             diffs.append(f"{name}: only in {a if (a / name).is_file() else b}")
             continue
-        ta, tb = load_file(str(a / name)), load_file(str(b / name))
+        ta, tb = read_tensors(a / name), read_tensors(b / name)
         for key in sorted(set(ta) | set(tb)):
             if key not in ta or key not in tb:
                 diffs.append(f"{name}: {key} only in one run")
             elif ta[key].shape != tb[key].shape or not torch.equal(ta[key], tb[key]):
                 diffs.append(f"{name}: {key} differs (max |difference| {_max_difference(ta[key], tb[key])})")
-    if (a / SAMPLES_FILE).read_bytes() != (b / SAMPLES_FILE).read_bytes():
-        diffs.append(f"{SAMPLES_FILE} differs (other samples: seed, settings or model)")
-    ra, rb = (json.loads((d / REPORT_FILE).read_text()) for d in (a, b))
-    for key in sorted(set(ra) | set(rb)):
-        if key not in ("run_id", "created", "command_line") and ra.get(key) != rb.get(key):
-            diffs.append(f"{REPORT_FILE}: {key} differs")
     return diffs
 
 
+def environment_differences(ea: dict, eb: dict) -> list[str]:
+    """One line per library (or Python, platform, world size) whose value differs between two runs."""
+    out = []
+    la, lb = ea.get("libraries") or {}, eb.get("libraries") or {}
+    for name in sorted(set(la) | set(lb)):
+        if la.get(name) != lb.get(name):
+            out.append(f"{name} {la.get(name) or 'not installed'} vs {lb.get(name) or 'not installed'}")
+    for key in sorted((set(ea) | set(eb)) - {"libraries"}):
+        if ea.get(key) != eb.get(key):
+            out.append(f"{key} {ea.get(key)} vs {eb.get(key)}")
+    return out
+
+
 def _run_tensor_files(path: Path) -> list[str]:
-    names = [FISHER_FILE, BOUNDS_FILE, TOKEN_FISHER_FILE] + [p.name for p in path.glob("grad_estimate*.safetensors")]
+    names = [FISHER_FILE, BOUNDS_FILE, TOKEN_FISHER_FILE] + [p.name for p in path.glob(GRAD_GLOB)]
     return [n for n in names if (path / n).is_file()]
 
 
@@ -369,28 +480,22 @@ def _max_difference(x: torch.Tensor, y: torch.Tensor) -> str:
 # Writing
 
 
-def write_run(out: Path, cal, report: RunReport, *, overwrite: bool,
-              extra: Callable[[Path], None] | None = None) -> Path:
-    """Write the whole run directory atomically; ``extra(tmpdir)`` adds files (the HTML page)."""
-
-    def writer(tmp: Path) -> None:
-        meta = {"run_id": report.run_id, "model": report.model.name}
-        save_tensors(tmp / FISHER_FILE, cal.fisher, meta)
-        if cal.token_fisher is not None:
-            save_tensors(tmp / TOKEN_FISHER_FILE, cal.token_fisher, meta)
-        scale = cal.signal_scale
-        if scale is not None and math.isfinite(scale):
-            save_tensors(tmp / BOUNDS_FILE, cal.bound(), {**meta, "signal_scale": scale})
-        for entry, result in zip(report.objectives, cal.objectives):
-            save_tensors(tmp / entry.grad_file, result.grad_estimate, {**meta, "objective": result.name})
-        with open(tmp / SAMPLES_FILE, "w") as fh:
-            for s in cal.samples:
-                fh.write(json.dumps(s) + "\n")
-        _write_json(tmp / REPORT_FILE, report.to_json())
-        if extra is not None:
-            extra(tmp)
-
-    return write_dir(out, writer, overwrite=overwrite)
+def write_run_files(folder: Path, cal, report: RunReport) -> None:
+    """A run's tensors, samples and report.json into ``folder`` (``cal``: a Calibration); the pages
+    and the atomic directory are ``run_report.write_run``'s."""
+    meta = {"run_id": report.run_id, "model": report.model.name}
+    save_tensors(folder / FISHER_FILE, cal.fisher, meta)
+    if cal.token_fisher is not None:
+        save_tensors(folder / TOKEN_FISHER_FILE, cal.token_fisher, meta)
+    scale = cal.signal_scale
+    if scale is not None and math.isfinite(scale):
+        save_tensors(folder / BOUNDS_FILE, cal.bound(), {**meta, "signal_scale": scale})
+    for entry, result in zip(report.objectives, cal.objectives):
+        save_tensors(folder / entry.grad_file, result.grad_estimate, {**meta, "objective": result.name})
+    with open(folder / SAMPLES_FILE, "w") as fh:
+        for s in cal.samples:
+            fh.write(json.dumps(s) + "\n")
+    write_json(folder / REPORT_FILE, report.to_json())
 
 
 def run_bytes(num_parameters: int, num_objectives: int) -> int:
@@ -401,7 +506,7 @@ def run_bytes(num_parameters: int, num_objectives: int) -> int:
 
 def grad_file_for(index: int, name: str) -> str:
     """The gradient-estimate file of the index-th objective."""
-    return GRAD_FILE if index == 0 else f"grad_estimate-{name}.safetensors"
+    return GRAD_FILE if index == 0 else GRAD_FILE_OF.format(objective=name)
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
@@ -413,7 +518,8 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | 
         raise OSError(f"could not write {path}: {err}") from err
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
+    """JSON as every fisher_select file holds it: indented, paths and tensors as text and lists."""
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 
@@ -423,3 +529,72 @@ def _json_default(obj):
     if isinstance(obj, torch.Tensor):
         return obj.tolist()
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+# ---------------------------------------------------------------------------
+# Reading: a damaged file is the user's input, not a bug (exit 2, the path, what to do)
+
+REWRITE_ADVICE = ("re-run the command that wrote it (`fisher-select calibrate ... --overwrite`), or "
+                  "`fisher-select migrate RUN` for a run of an older release")
+
+
+def read_json(path: Path):
+    """The JSON in ``path``; a truncated, empty or foreign file is a ``FisherSelectError`` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise FisherSelectError(f"{path} is not text (binary content where JSON was expected); {REWRITE_ADVICE}") from None
+    if not text.strip():
+        raise FisherSelectError(f"{path} is empty; {REWRITE_ADVICE}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise FisherSelectError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}: "
+                                f"truncated or edited); {REWRITE_ADVICE}") from None
+
+
+def read_samples(path: Path) -> list[dict]:
+    """The records of a JSONL file (samples.jsonl); a damaged line is a ``FisherSelectError`` naming it."""
+    out = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise FisherSelectError(f"{path} is not text (binary content where JSON lines were expected); "
+                                f"{REWRITE_ADVICE}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise FisherSelectError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno}: "
+                                    f"truncated or edited); {REWRITE_ADVICE}") from None
+        if not isinstance(record, dict):
+            raise FisherSelectError(f"{path}, line {number}: a JSON {type(record).__name__}, not a sample record; "
+                                    f"{REWRITE_ADVICE}")
+        out.append(record)
+    return out
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a truncated, empty or foreign file is a ``FisherSelectError``."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise FisherSelectError(f"{path} is {'empty' if size == 0 else 'truncated'} ({size} bytes; a safetensors "
+                                f"file starts with an 8-byte header length); {REWRITE_ADVICE}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        what = _safetensors_problem(str(err), path, size)
+        raise FisherSelectError(f"{path} is not a readable safetensors file ({what}); {REWRITE_ADVICE}") from None
+
+
+def _safetensors_problem(message: str, path: Path, size: int) -> str:
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    if header > size - 8:
+        return f"truncated safetensors header: it announces {header} bytes, the file has {size - 8} after the length"
+    if "header" in message.lower():
+        return f"corrupt safetensors header: {message}"
+    return f"truncated or corrupt tensor data: {message}"
+

@@ -1,4 +1,4 @@
-"""Print the import cycles among fisher_select's modules (exit 1 if any). Used by tests/test_layout.py."""
+"""Print the import cycles among fisher_select's modules (exit 1 if any); tests/test_layout.py checks them and the floors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "fisher_select"
+
+# The floors, lowest first: a module imports only from its own floor or lower ones, and on its own
+# floor only from its own package (the ground floor's modules may use each other, and so may the
+# interface's: the CLI, its commands and the package's lazy exports). A name matches
+# a module and everything below it; the longest match wins.
+FLOORS = [
+    ("ground", ["fisher_select.version", "fisher_select.errors", "fisher_select.atomic", "fisher_select.caveats",
+                "fisher_select.fields", "fisher_select.distributed", "fisher_select.stats"]),
+    ("run schema", ["fisher_select.rundir"]),
+    ("engine", ["fisher_select.engine"]),
+    ("models", ["fisher_select.models"]),
+    ("calibration", ["fisher_select.calibration"]),
+    ("recipes", ["fisher_select.config"]),
+    ("report and outputs", ["fisher_select.report", "fisher_select.outputs"]),
+    ("run report", ["fisher_select.run_report"]),
+    ("training", ["fisher_select.training"]),
+    ("pipeline", ["fisher_select.pipeline"]),
+    ("interface", ["fisher_select.commands", "fisher_select.cli", "fisher_select.__main__", "fisher_select"]),
+]
 
 
 def module_name(path: Path) -> str:
@@ -65,8 +84,39 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def floor_of(module: str) -> tuple[int, str]:
+    """(floor index, the matched prefix: the module's package on that floor)."""
+    best = None
+    for index, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > len(best[1]):
+                    best = (index, prefix)
+    if best is None:
+        raise KeyError(f"{module} is on no floor; add it to FLOORS in scripts/import_graph.py")
+    return best
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    """Imports that go up a floor, or sideways into another package of the same floor."""
+    out = []
+    for module, targets in sorted(edges.items()):
+        floor, package = floor_of(module)
+        for target in sorted(targets):
+            t_floor, t_package = floor_of(target)
+            if t_floor > floor:
+                out.append(f"{module} ({FLOORS[floor][0]}) imports {target} from a higher floor ({FLOORS[t_floor][0]})")
+            elif t_floor == floor and t_package != package and floor not in (0, len(FLOORS) - 1):
+                out.append(f"{module} imports {target}, another package of the same floor ({FLOORS[floor][0]})")
+    return out
+
+
 if __name__ == "__main__":
-    found = cycles(graph())
+    edges = graph()
+    found = cycles(edges)
     for c in found:
         print("cycle:", " <-> ".join(c))
-    sys.exit(1 if found else 0)
+    problems = violations(edges)
+    for line in problems:
+        print("floor:", line)
+    sys.exit(1 if found or problems else 0)

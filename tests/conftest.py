@@ -19,6 +19,32 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end runs on the embedded default or several processes "
+                                       "(`make test-fast` leaves them out; `make test` runs everything)")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The embedded default's tokenizer alone (no weights loaded), once per test process."""
+    from transformers import AutoTokenizer
+
+    from fisher_select.models import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_DEFAULT), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def small_llama_dir(tmp_path_factory, smol_tokenizer):
+    """A small random Llama (width 32, one layer) with the embedded default's tokenizer, as a model directory.
+
+    Shared read-only by every test that needs a real tokenizer and a model directory the CLI loads."""
+    from tests.tiny import save_small_llama
+
+    return save_small_llama(tmp_path_factory.mktemp("small-llama") / "model", smol_tokenizer, hidden=32,
+                            intermediate=64, layers=1)
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """(model, tokenizer, path) of the embedded default, loaded once per test process."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fisher_select.report.build import module_table
+from fisher_select.run_report import module_table
 from fisher_select.rundir import (FISHER_FILE, REPORT_FILE, ModelInfo, ObjectiveEntry, Run, RunReport,
                                   save_tensors)
 

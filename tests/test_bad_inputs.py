@@ -209,7 +209,7 @@ def small_run(tmp_path_factory):
 
 @pytest.mark.parametrize("flags,needles", [
     (["--top", "0"], ["--top"]), (["--top", "2"], ["--top"]), (["--top", "-0.1"], ["--top"]),
-    (["--mass", "1.5"], ["--mass"]), (["--threshold", "-1"], ["threshold"]),
+    (["--fisher-mass", "1.5"], ["--fisher-mass"]), (["--bound-mass", "0"], ["--bound-mass"]), (["--threshold", "-1"], ["threshold"]),
 ])
 def test_select_budgets_out_of_range(small_run, tmp_path, capsys, flags, needles):
     out = tmp_path / "mask.safetensors"

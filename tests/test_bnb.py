@@ -70,14 +70,14 @@ def test_quantized_fisher_matches_dequantized_fp32_model(kind, tol):
         assert rel(mine.signal[name], want.signal[name]) < tol, name
 
 
-def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
+def test_load_model_in_4bit_and_calibrate(tmp_path, smol_tokenizer):
     """The whole path: transformers' BitsAndBytesConfig on CPU, then calibrate()."""
     from fisher_select.calibration.calibrator import calibrate
     from fisher_select.calibration.objectives import RLObjective
     from fisher_select.calibration.prompts import PromptRecord
     from tests.tiny import save_small_llama
 
-    save_small_llama(tmp_path, embedded[1])
+    save_small_llama(tmp_path, smol_tokenizer)
     model, tokenizer, _ = load_model(str(tmp_path), quantization="nf4")
     layer = model.model.layers[0].mlp.up_proj
     assert isinstance(layer, bnb.nn.Linear4bit)
@@ -91,8 +91,8 @@ def test_load_model_in_4bit_and_calibrate(tmp_path, embedded):
     import peft
 
     from fisher_select.models import fingerprint
-    from fisher_select.outputs.peft_hints import lora_config
-    from fisher_select.report.build import build_report, write_run
+    from fisher_select.outputs.lora import lora_config
+    from fisher_select.run_report import build_report, write_run
     from fisher_select.rundir import ModelInfo
 
     report = build_report(cal, model=ModelInfo(str(tmp_path), fingerprint(model), str(tmp_path), "float32", "nf4",

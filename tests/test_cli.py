@@ -36,8 +36,8 @@ def test_run_directory_is_complete(demo_run):
     assert report["sampling"]["temperature"] == 1.0 and report["sampling"]["top_k"] is None
     assert Path(report["model"]["path"], "config.json").is_file()
     assert any("single step" in c.lower() for c in report["caveats"])
-    masses = [m["fisher_mass"] for m in report["modules"]]
-    assert masses == sorted(masses, reverse=True)
+    masses = [m["bound_mass"] for m in report["modules"]]  # modules rank by bound mass (sum of sqrt(F))
+    assert masses == sorted(masses, reverse=True) and report["format_version"] == 3
     samples = [json.loads(line) for line in (demo_run / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"prompt_ids", "response_ids", "response", "logprob", "truncated"} <= set(samples[0])
     assert report["checks"]["autograd"]["max_relative_error"] < 1e-3
@@ -178,10 +178,20 @@ def test_same_seed_reproduces_the_run_bit_for_bit_and_verify_says_so(demo_run, t
     capsys.readouterr()
     assert (demo_run / "fisher.safetensors").read_bytes() != (again / "fisher.safetensors").read_bytes()  # run ids
     assert main(["verify", str(demo_run), str(again)]) == 0
-    assert capsys.readouterr().out.strip().endswith("identical results")
+    out = capsys.readouterr().out
+    assert "identical results" in out and "warning" not in out
     assert main(["verify", str(demo_run), str(other)]) == 1
     out = capsys.readouterr().out
     assert "fisher.safetensors: model.embed_tokens.weight differs" in out and "samples.jsonl differs" in out
+    # Another environment with the same results: exit 0, and a warning naming each package and both versions.
+    report = json.loads((again / "report.json").read_text())
+    report["environment"]["libraries"]["bitsandbytes"] = "9.9.9"
+    (again / "report.json").write_text(json.dumps(report))
+    assert main(["verify", str(demo_run), str(again)]) == 0
+    out = capsys.readouterr().out
+    mine = json.loads((demo_run / "report.json").read_text())["environment"]["libraries"]["bitsandbytes"]
+    assert "identical results" in out and f"bitsandbytes {mine or 'not installed'} vs 9.9.9" in out
+    assert "the results agree regardless" in out
 
 
 def _subparser(name: str):
@@ -197,7 +207,7 @@ def test_calibrate_flags_are_generated_from_the_recipe_fields():
     import typing
 
     from fisher_select.config import RecipeConfig
-    from fisher_select.validation import field_help, scalar_type
+    from fisher_select.fields import field_help, scalar_type
 
     actions = {a.dest: a for a in _subparser("calibrate")._actions}
     hints = typing.get_type_hints(RecipeConfig)
@@ -216,12 +226,19 @@ def test_calibrate_flags_are_generated_from_the_recipe_fields():
     assert (args.num_prompts, args.quantization, args.samples_per_prompt) == (3, "nf4", None)
 
 
-def test_lora_flag_defaults_are_the_hint_settings():
-    from fisher_select.outputs.hint_settings import LoraHintSettings
+def test_lora_flags_left_out_keep_the_hint_config_defaults():
+    from fisher_select.commands.lora import hint_kwargs
+    from fisher_select.outputs.lora import LoraHintConfig
 
     args = _subparser("lora").parse_args(["run", "--out", "hint"])
-    assert (args.rank_step, args.alpha_ratio) == (LoraHintSettings.rank_step, LoraHintSettings.alpha_ratio)
-    assert args.coverage is None and args.top_n is None and args.total_rank is None  # lora_hints decides
+    assert args.rank_step is None and args.coverage is None and args.top_n is None and args.total_rank is None
+    assert hint_kwargs(args) == {"layers_to_transform": None, "modules": None}  # LoraHintConfig's defaults apply
+    given = hint_kwargs(_subparser("lora").parse_args(["run", "--out", "h", "--rank-step", "2", "--ranking",
+                                                       "fisher_mass"]))
+    assert LoraHintConfig.with_fields(None, {k: v for k, v in given.items() if k in ("rank_step", "ranking")}) == \
+        LoraHintConfig(rank_step=2, ranking="fisher_mass")
+    action = {a.dest: a for a in _subparser("lora")._actions}["rank_step"]
+    assert f"default {LoraHintConfig.rank_step!r}" in action.help
 
 
 def test_bad_flag_value_is_reported_once_with_the_recipe(tmp_path, capsys):

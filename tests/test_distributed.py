@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fisher_select.calibration.calibrator import calibrate
-from fisher_select.calibration.distributed import seed_for_rank, shard
+from fisher_select.distributed import seed_for_rank, shard
 from fisher_select.calibration.objectives import RLObjective
 from fisher_select.calibration.prompts import PromptRecord
 from tests.tiny import TinyTokenizer, enumeration_model, free_port
@@ -64,7 +64,7 @@ def test_two_ranks_merge_to_the_combined_single_process_result(tmp_path):
     assert merged["S"] == pytest.approx(want_s, rel=1e-12)
 
 
-def test_torchrun_cli_writes_one_merged_run(tmp_path, embedded):
+def test_torchrun_cli_writes_one_merged_run(tmp_path, smol_tokenizer):
     """`torchrun --nproc_per_node 2 -m fisher_select calibrate ...`: rank 0 writes the merged run."""
     import json
     import subprocess
@@ -72,7 +72,7 @@ def test_torchrun_cli_writes_one_merged_run(tmp_path, embedded):
 
     from tests.tiny import save_small_llama
 
-    save_small_llama(tmp_path / "model", embedded[1], hidden=32, intermediate=64, layers=1)
+    save_small_llama(tmp_path / "model", smol_tokenizer, hidden=32, intermediate=64, layers=1)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": i}) + "\n" for i in range(5)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -15,22 +15,16 @@ import yaml
 
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
-from fisher_select.outputs.export import (
+from fisher_select.outputs.axolotl import (
     axolotl_pattern,
-    check_lora_targets,
     check_patterns,
     load_unfrozen_parameters,
-    lora_export,
     save_unfrozen_parameters,
     unfrozen_parameters,
 )
-from fisher_select.outputs.peft_hints import (
-    ADAPTER_CONFIG,
-    PROVENANCE_FILE,
-    load_lora_config,
-    lora_config_from_hints,
-    save_lora_config,
-)
+from fisher_select.outputs.lora import check_lora_targets, load_lora_config, lora_export
+from fisher_select.rundir import LORA_CONFIG_FILE as ADAPTER_CONFIG
+from fisher_select.rundir import LORA_PROVENANCE_FILE as PROVENANCE_FILE
 from tests import runs
 from tests.runs import write_run_dir
 from tests.tiny import run_command, tiny_model
@@ -76,7 +70,7 @@ def bound_mass_by_module(run) -> dict[str, float]:
 def test_axolotl_patterns_applied_as_axolotl_applies_them_unfreeze_exactly_the_chosen_modules(name, tmp_path):
     model = tiny_model(name)
     run = run_over(model)
-    result = unfrozen_parameters(run, mass=0.6, model=model)
+    result = unfrozen_parameters(run, bound_mass=0.6, model=model)
     path = save_unfrozen_parameters(result, tmp_path / "axolotl.yaml")
     patterns = load_unfrozen_parameters(path)
     assert patterns == yaml.safe_load(path.read_text())["unfrozen_parameters"] == result.patterns
@@ -132,14 +126,14 @@ def test_axolotl_export_refuses_another_model_and_bad_rules():
     model = tiny_model("llama-untied")
     run = run_over(model)
     with pytest.raises(FisherSelectError, match="different weights"):
-        unfrozen_parameters(run, mass=0.5, model=tiny_model("llama-untied", seed=1))
+        unfrozen_parameters(run, bound_mass=0.5, model=tiny_model("llama-untied", seed=1))
     with pytest.raises(FisherSelectError, match="not both"):
-        unfrozen_parameters(run, mass=0.5, top_modules=2)
+        unfrozen_parameters(run, bound_mass=0.5, top_modules=2)
     with pytest.raises(FisherSelectError, match="outside"):
-        unfrozen_parameters(run, mass=1.5)
+        unfrozen_parameters(run, bound_mass=1.5)
     with pytest.raises(FisherSelectError, match="top-modules 99"):
         unfrozen_parameters(run, top_modules=99)
-    full = unfrozen_parameters(run, mass=1.0)
+    full = unfrozen_parameters(run, bound_mass=1.0)
     assert full.trainable == full.numel and len(full.patterns) == len(run.fisher)
 
 
@@ -151,7 +145,7 @@ def test_peft_directory_loads_in_peft_without_warnings_and_trains_the_counted_pa
     model = tiny_model("llama-untied")
     run = run_over(model)
     export = lora_export(run, model=model, top_n=5, total_rank=24, rank_step=2, min_rank=2)
-    out = save_lora_config(export.hints, tmp_path / "hint")
+    out = export.hints.save_pretrained(tmp_path / "hint")
     assert sorted(p.name for p in out.iterdir()) == sorted([ADAPTER_CONFIG, PROVENANCE_FILE])
     assert "fisher_select" not in json.loads((out / ADAPTER_CONFIG).read_text())
     provenance = json.loads((out / PROVENANCE_FILE).read_text())
@@ -161,8 +155,8 @@ def test_peft_directory_loads_in_peft_without_warnings_and_trains_the_counted_pa
         warnings.simplefilter("always")
         config = peft.LoraConfig.from_pretrained(str(out))
     assert [str(w.message) for w in caught] == []
-    assert config.target_modules == set(export.hints["target_modules"])
-    assert config.rank_pattern == export.hints["rank_pattern"]
+    assert config.target_modules == set(export.hints.target_modules)
+    assert config.rank_pattern == export.hints.rank_pattern
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         peft_model = peft.get_peft_model(copy.deepcopy(model), config)
@@ -170,8 +164,8 @@ def test_peft_directory_loads_in_peft_without_warnings_and_trains_the_counted_pa
     trainable, _ = peft_model.get_nb_trainable_parameters()
     assert trainable == export.trainable and export.numel == sum(p.numel() for p in model.parameters())
     adapted = {n for n, m in peft_model.get_base_model().named_modules() if getattr(m, "lora_A", None)}
-    assert adapted == set(export.hints["target_modules"])
-    assert {t: hits for t, hits in export.matched.items()} == {t: [t] for t in export.hints["target_modules"]}
+    assert adapted == set(export.hints.target_modules)
+    assert {t: hits for t, hits in export.matched.items()} == {t: [t] for t in export.hints.target_modules}
 
     assert load_lora_config(out, model).rank_pattern == config.rank_pattern
     assert load_lora_config(out / ADAPTER_CONFIG, model).target_modules == config.target_modules
@@ -182,7 +176,7 @@ def test_peft_directory_loads_in_peft_without_warnings_and_trains_the_counted_pa
 def test_sidecar_of_other_targets_and_missing_sidecar_are_refused(tmp_path):
     model = tiny_model("llama-untied")
     export = lora_export(run_over(model), top_n=3)
-    out = save_lora_config(export.hints, tmp_path / "hint")
+    out = export.hints.save_pretrained(tmp_path / "hint")
     fields = json.loads((out / ADAPTER_CONFIG).read_text())
     fields["target_modules"] = fields["target_modules"][:1]
     (out / ADAPTER_CONFIG).write_text(json.dumps(fields))
@@ -196,19 +190,19 @@ def test_sidecar_of_other_targets_and_missing_sidecar_are_refused(tmp_path):
 def test_single_file_of_release_0_1_is_still_read(tmp_path):
     model = tiny_model("llama-untied")
     export = lora_export(run_over(model), top_n=3)
-    out = save_lora_config(export.hints, tmp_path / "hint")
+    out = export.hints.save_pretrained(tmp_path / "hint")
     old = json.loads((out / ADAPTER_CONFIG).read_text())
     old["fisher_select"] = json.loads((out / PROVENANCE_FILE).read_text())
     (tmp_path / "old.json").write_text(json.dumps(old))
-    assert load_lora_config(tmp_path / "old.json", model).target_modules == set(export.hints["target_modules"])
+    assert load_lora_config(tmp_path / "old.json", model).target_modules == set(export.hints.target_modules)
 
 
 def test_lora_targets_matching_no_module_are_refused():
     model = tiny_model("llama-untied")
     export = lora_export(run_over(model), top_n=4)
-    config = lora_config_from_hints(export.hints)
+    config = export.hints.peft_config()
     names = [n for n, _ in model.named_modules() if ".layers.1." not in n]
-    missing = [t for t in export.hints["target_modules"] if ".layers.1." in t]
+    missing = [t for t in export.hints.target_modules if ".layers.1." in t]
     assert missing, "the test needs a target in layer 1"
     with pytest.raises(FisherSelectError, match=rf"{len(missing)} LoRA target\(s\) match nothing in one layer: "
                                                  + re.escape(missing[0])):
@@ -234,12 +228,12 @@ def test_cli_export_both_formats_and_refusals(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "LoraConfig.from_pretrained(" in text and "trainable parameters" in text
     config = peft.LoraConfig.from_pretrained(str(peft_out))
-    assert sorted(config.target_modules) == sorted(lora_export(run, top_n=3).hints["target_modules"])
+    assert sorted(config.target_modules) == sorted(lora_export(run, top_n=3).hints.target_modules)
 
     with pytest.raises(FisherSelectError, match="takes no --top-n"):
         run_command(["export", str(run_dir), "--format", "axolotl", "--top-n", "3", "--out", str(tmp_path / "a.yaml")])
-    with pytest.raises(FisherSelectError, match="takes no --mass"):
-        run_command(["export", str(run_dir), "--format", "peft", "--mass", "0.5", "--out", str(tmp_path / "p")])
+    with pytest.raises(FisherSelectError, match="takes no --bound-mass"):
+        run_command(["export", str(run_dir), "--format", "peft", "--bound-mass", "0.5", "--out", str(tmp_path / "p")])
     with pytest.raises(FisherSelectError, match="already exists"):
         run_command(["export", str(run_dir), "--format", "axolotl", "--out", str(yaml_out)])
     with pytest.raises(FisherSelectError, match="already holds files"):
@@ -247,4 +241,4 @@ def test_cli_export_both_formats_and_refusals(tmp_path, capsys):
     with pytest.raises(FisherSelectError, match="names a .json file"):
         run_command(["lora", str(run_dir), "--out", str(tmp_path / "hint.json")])
     assert not (tmp_path / "a.yaml").exists() and not (tmp_path / "p").exists()
-    assert math.isclose(sum(m["bound_share"] for m in unfrozen_parameters(run, mass=1.0).modules), 1.0)
+    assert math.isclose(sum(m["bound_share"] for m in unfrozen_parameters(run, bound_mass=1.0).modules), 1.0)

@@ -7,10 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.outputs.masking import FisherMaskCallback, apply_masks
+from fisher_select.outputs.masks import FisherMaskCallback, apply_masks, save_masks, select_masks
 from fisher_select.models import fingerprint
 from fisher_select.rundir import Run
-from fisher_select.outputs.selection import save_masks, select_masks
 from tests import runs
 
 FROZEN = "model.norm.weight"  # forced fully unselected

@@ -20,7 +20,7 @@ from fisher_select.calibration.sampling import left_pad
 from fisher_select.engine.memory import MemoryMode
 from fisher_select.engine.reference import brute_force_sums
 from fisher_select.models import fingerprint
-from fisher_select.report.build import build_report, write_run
+from fisher_select.run_report import build_report, write_run
 from fisher_select.rundir import ModelInfo, load_run
 from tests.tiny import TinyTokenizer, enumeration_model
 
@@ -123,8 +123,12 @@ def test_reduced_mode_report_says_what_is_missing_and_writes_a_run(tmp_path):
 
 
 def test_bad_modes_are_refused_before_any_work():
-    with pytest.raises(FisherSelectError, match="accumulators must be one of"):
+    with pytest.raises(FisherSelectError, match="accumulators: expected one of full, gradient, fisher"):
         _calibrate(accumulators="squares")
+    with pytest.raises(FisherSelectError, match="accumulators must be one of"):
+        MemoryMode(accumulators="squares")  # the engine's own check, for callers beside calibrate
+    with pytest.raises(FisherSelectError, match="unknown key .samples.*unknown key .max_new_tokens_."):
+        _calibrate(samples=3, max_new_tokens_=1)  # every problem of the settings in one error
     with pytest.raises(FisherSelectError, match="matches no parameter"):
         _calibrate(modules="no_such_layer")
     with pytest.raises(FisherSelectError, match="not a regular expression"):
@@ -141,15 +145,14 @@ def test_accumulator_bytes_of_each_mode():
         assert MemoryMode(accumulators).zeros(cov, 1).nbytes() == per * coords
 
 
-def test_the_smallest_mode_from_the_command_line(tmp_path, embedded):
+def test_the_smallest_mode_from_the_command_line(tmp_path, small_llama_dir):
     """`--accumulators fisher --no-stability`: F alone (4 bytes per parameter); the run says what it lacks."""
     import json
 
-    from tests.tiny import run_command, save_small_llama
+    from tests.tiny import run_command
 
-    save_small_llama(tmp_path / "m", embedded[1], hidden=32, intermediate=64, layers=1)
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(2)))
-    (tmp_path / "r.yaml").write_text(f"model: {tmp_path / 'm'}\nprompts: p.jsonl\nobjective:\n  type: rl\n"
+    (tmp_path / "r.yaml").write_text(f"model: {small_llama_dir}\nprompts: p.jsonl\nobjective:\n  type: rl\n"
                                      "  reward: {type: regex, pattern: '[0-9]'}\n")
     assert run_command(["calibrate", "--recipe", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "run"),
                         "--accumulators", "fisher", "--no-stability", "--samples-per-prompt", "2",

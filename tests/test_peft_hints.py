@@ -14,16 +14,11 @@ import torch
 from peft.utils.other import get_pattern_key
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import fisher_select.outputs.peft_hints as fs_peft
+import fisher_select.outputs.lora as fs_lora
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
-from fisher_select.outputs.peft_hints import (
-    load_lora_config,
-    lora_config,
-    lora_hints,
-    pattern_key,
-    shira_config,
-)
+from fisher_select.outputs.lora import LoraHints, load_lora_config, lora_config, lora_hints, pattern_key
+from fisher_select.outputs.shira import shira_config
 from fisher_select.rundir import Run
 from tests import runs
 from tests.runs import write_run_dir
@@ -82,9 +77,9 @@ def test_lora_config_on_embedded_model_builds_trains_with_allocated_ranks(smol):
     kwargs = dict(top_n=14, total_rank=120, rank_step=4, alpha_ratio=2.0)
     hints = lora_hints(run, **kwargs)
     # Module classes read from the model give the same hints as the name/shape rule.
-    assert lora_hints(run, model=model, **kwargs)["rank_pattern"] == hints["rank_pattern"]
-    targets = hints["target_modules"]
-    ranks = {t["name"]: t["rank"] for t in hints["fisher_select"]["targets"]}
+    assert lora_hints(run, model=model, **kwargs).rank_pattern == hints.rank_pattern
+    targets = hints.target_modules
+    ranks = hints.ranks
     assert len(targets) == 14 and sum(ranks.values()) == 120 and all(r % 4 == 0 for r in ranks.values())
     assert not any("embed" in t or "lm_head" in t for t in targets)
 
@@ -110,18 +105,35 @@ def test_lora_config_on_embedded_model_builds_trains_with_allocated_ranks(smol):
     assert torch.equal(work.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
-def test_coverage_picks_fewest_modules_by_mass(smol):
+@pytest.mark.parametrize("ranking", ["bound_mass", "fisher_mass"])
+def test_coverage_picks_fewest_modules_by_the_ranking_mass(smol, ranking):
     model, run = smol
-    hints = lora_hints(run, coverage=0.5)
+    hints = lora_hints(run, coverage=0.5, ranking=ranking)
     eligible = [m for m in run.report.modules
                 if run.fisher[m.parameters[0]].dim() == 2 and "embed" not in m.name]
-    masses = sorted((m.fisher_mass for m in eligible), reverse=True)
+    masses = sorted((getattr(m, ranking) for m in eligible), reverse=True)
     total = sum(masses)
     n = next(i + 1 for i in range(len(masses)) if sum(masses[: i + 1]) >= 0.5 * total)
-    assert len(hints["target_modules"]) == n
-    chosen = {m.name: m.fisher_mass for m in eligible if m.name in hints["target_modules"]}
+    assert len(hints.target_modules) == n
+    chosen = {m.name: getattr(m, ranking) for m in eligible if m.name in hints.target_modules}
     assert min(chosen.values()) >= masses[n - 1]
-    assert hints["fisher_select"]["selection"]["covered"] >= 0.5
+    assert hints.provenance["selection"]["covered"] >= 0.5
+    assert hints.provenance["selection"]["ranking"] == ranking
+
+
+def test_the_two_rankings_choose_differently_where_the_masses_disagree():
+    model = tiny_llama()
+    # q_proj (16 x 16): F = 1 everywhere, Fisher mass 256, bound mass 256; k_proj (8 x 16): F = 3,
+    # Fisher mass 384, bound mass 128 sqrt(3) = 222. The Fisher mass picks k_proj, the bound mass q_proj.
+    fisher = {n: torch.full(p.shape, 3.0 if "k_proj" in n else 1.0) for n, p in model.named_parameters()}
+    run = make_run(model, fisher)
+    only = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"]
+    pick = {r: lora_hints(run, top_n=1, ranking=r, modules=only, rank_step=1, mean_rank=4).target_modules
+            for r in ("bound_mass", "fisher_mass")}
+    assert pick == {"bound_mass": [only[0]], "fisher_mass": [only[1]]}
+    rows = lora_hints(run, top_n=2, modules=only).targets
+    assert rows[0]["bound_mass"] == pytest.approx(256) and rows[1]["fisher_mass"] == pytest.approx(384)
+    assert rows[0]["bound_share"] + rows[1]["bound_share"] == pytest.approx(1)
 
 
 # ---------------------------------------------------------------------------
@@ -132,7 +144,7 @@ def test_rank_allocation_proportional_clamped_and_exact():
     model = tiny_llama()
     run = tiny_run(model)
     hints = lora_hints(run, coverage=1.0, total_rank=120, rank_step=4, min_rank=4, max_rank=16)
-    targets = hints["fisher_select"]["targets"]
+    targets = hints.targets
     ranks = [t["rank"] for t in targets]
     assert sum(ranks) == 120
     assert all(r % 4 == 0 and 4 <= r <= 16 for r in ranks)
@@ -144,7 +156,7 @@ def test_rank_allocation_proportional_clamped_and_exact():
     for a in targets:
         for b in targets:
             cap_a = 8 if a["name"].endswith(("k_proj", "v_proj")) else 16
-            if a["fisher_mass"] > b["fisher_mass"] and a["rank"] < cap_a:
+            if a["bound_mass"] > b["bound_mass"] and a["rank"] < cap_a:
                 assert a["rank"] >= b["rank"], (a, b)
     for t in targets:
         assert t["alpha"] == 2 * t["rank"]
@@ -169,9 +181,9 @@ def test_ranks_are_within_one_step_of_clamped_proportional_shares():
     run = tiny_run(model, seed=3)
     hints = lora_hints(run, top_n=6, total_rank=64, rank_step=2, min_rank=2, max_rank=64,
                        modules=["gate_proj", "up_proj", "down_proj", "o_proj"])
-    targets = hints["fisher_select"]["targets"]
+    targets = hints.targets
     caps = [16] * len(targets)  # min(out, in) of these (16, 32) / (32, 16) / (16, 16) weights
-    ideal = water_fill_reference([t["fisher_mass"] for t in targets], caps, 2, 64)
+    ideal = water_fill_reference([t["bound_mass"] for t in targets], caps, 2, 64)
     assert any(r == 16 for r in (t["rank"] for t in targets))  # some cap binds: redistribution matters
     assert sum(t["rank"] for t in targets) == 64
     for t, share in zip(targets, ideal):
@@ -192,7 +204,8 @@ def test_rank_budget_smaller_than_module_count_is_an_error():
         ({"coverage": 1.5}, "outside"),
         ({"top_n": 99}, "top-n 99"),
         ({"layers_to_transform": [7]}, "no eligible Linear-like module"),
-        ({"rank_step": 0}, "rank-step"),
+        ({"rank_step": 0}, "rank_step: must be at least 1"),
+        ({"ranking": "sum"}, "ranking: expected one of bound_mass, fisher_mass"),
     ],
 )
 def test_bad_lora_arguments(kwargs, words):
@@ -209,17 +222,17 @@ def test_hints_for_another_model_are_refused():
 def test_layers_to_transform_restricts_targets():
     run = tiny_run(tiny_llama())
     hints = lora_hints(run, coverage=1.0, layers_to_transform=[1], total_rank=28)
-    assert hints["target_modules"] and all(".layers.1." in t for t in hints["target_modules"])
-    assert hints["layers_to_transform"] == [1]
+    assert hints.target_modules and all(".layers.1." in t for t in hints.target_modules)
+    assert hints.layers_to_transform == [1]
 
 
 def test_pattern_keys_match_exactly_their_module_under_peft_rules():
     run = tiny_run(tiny_llama())
     hints = lora_hints(run, coverage=1.0, total_rank=56)
-    keys = list(hints["rank_pattern"])
-    targets = hints["target_modules"]
+    keys = list(hints.rank_pattern)
+    targets = hints.target_modules
     assert keys == [re.escape(t) for t in targets] == [pattern_key(t) for t in targets]
-    for target in hints["target_modules"]:
+    for target in hints.target_modules:
         assert get_pattern_key(keys, target) == re.escape(target)
         assert get_pattern_key(keys, "wrapper." + target) == re.escape(target)  # as target_modules does
     # Unescaped, "." would match any character: "model.layers.0.mlp.up_proj" would claim this name.
@@ -250,24 +263,25 @@ def test_cli_lora_writes_adapter_directory_that_loads_only_for_its_model(tmp_pat
     assert data["peft_type"] == "LORA"
     for key in ("task_type", "target_modules", "r", "lora_alpha", "rank_pattern", "alpha_pattern",
                 "layers_to_transform"):
-        assert data[key] == hints[key], key
+        assert data[key] == getattr(hints, key), key
     assert "fisher_select" not in data  # PEFT would warn about an unknown key: provenance is beside it
     provenance = json.loads((out / "fisher_select_provenance.json").read_text())
     assert provenance["run_id"] == run.run_id
     assert provenance["model"]["fingerprint"] == fingerprint(model)
-    assert provenance["targets"] == hints["fisher_select"]["targets"]
+    assert provenance["targets"] == hints.targets
+    assert LoraHints.from_pretrained(out, model) == hints  # the typed hint round-trips through the directory
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plain = peft.LoraConfig.from_pretrained(str(out))
     assert [str(w.message) for w in caught] == []
     config = load_lora_config(out, model)
-    assert isinstance(config, peft.LoraConfig) and config.rank_pattern == hints["rank_pattern"] == plain.rank_pattern
+    assert isinstance(config, peft.LoraConfig) and config.rank_pattern == hints.rank_pattern == plain.rank_pattern
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         peft_model = peft.get_peft_model(copy.deepcopy(model), config)
     assert peft_warnings(caught) == []
-    assert set(adapted(peft_model, "lora_A")) == set(hints["target_modules"])
+    assert set(adapted(peft_model, "lora_A")) == set(hints.target_modules)
     with pytest.raises(FisherSelectError, match="different weights"):
         load_lora_config(out, tiny_llama(seed=1))
     with pytest.raises(FisherSelectError, match="already holds files"):
@@ -277,8 +291,8 @@ def test_cli_lora_writes_adapter_directory_that_loads_only_for_its_model(tmp_pat
     assert not (tmp_path / "b").exists()
 
 
-def test_real_peft_is_imported_inside_fisher_select_peft():
-    assert fs_peft.peft is peft and hasattr(fs_peft.peft, "LoraConfig")
+def test_real_peft_is_imported_inside_fisher_select_lora():
+    assert fs_lora.peft is peft and hasattr(fs_lora.peft, "LoraConfig")
 
 
 # ---------------------------------------------------------------------------

@@ -29,13 +29,15 @@ from fisher_select.calibration.sampling import left_pad, sample_responses
 from fisher_select.engine.reference import enumerate_responses
 from fisher_select.engine.scoring import score_sums
 from fisher_select.models import fingerprint
-from fisher_select.report.build import (build_report, module_of, regenerate, run_warnings, summary_lines,
-                                        write_run)
 from fisher_select.report.compare import compare
-from fisher_select.report.statistics import (CONSISTENT, MORE_PROMPTS, OFF_POLICY, STABLE, ReportStatistics,
-                                             compare_halves, expected_abs_z, module_spread, scale_uncertainty,
-                                             score_mean_conformity, spearman_brown_prompts)
+from fisher_select.report.statistics import ReportStatistics, module_spread, scale_uncertainty
+from fisher_select.report.text import run_summary_lines as summary_lines
+from fisher_select.report.warnings import run_warnings
+from fisher_select.run_report import build_report, regenerate, write_run
 from fisher_select.rundir import ModelInfo, load_run
+from fisher_select.stats.conformity import CONSISTENT, OFF_POLICY, expected_abs_z, score_mean_conformity
+from fisher_select.stats.naming import module_of
+from fisher_select.stats.stability import MORE_PROMPTS, STABLE, compare_halves, spearman_brown_prompts
 from tests.tiny import TinyTokenizer, enumeration_model, tiny_model
 
 # ---------------------------------------------------------------------------
@@ -124,14 +126,14 @@ def test_identical_halves_are_stable_and_independent_halves_are_not():
     g = torch.Generator().manual_seed(0)
     f = {f"m{i}.weight": torch.rand(50, 40, generator=g) ** 4 * (i + 1) for i in range(12)}
     same = compare_halves(f, {k: v.clone() for k, v in f.items()}, [40, 40], [10, 10])
-    assert same.spearman_sqrt_mass == pytest.approx(1.0) and same.jaccard == [1.0, 1.0]
+    assert same.spearman_bound_mass == pytest.approx(1.0) and same.jaccard == [1.0, 1.0]
     assert same.verdict == STABLE
     noise = {k: torch.rand(v.shape, generator=g) for k, v in f.items()}
     other = compare_halves(noise, {k: torch.rand(v.shape, generator=g) for k, v in f.items()}, [40, 40], [10, 10])
     # independent random top-f masks overlap by f / (2 - f) in expectation
     assert other.jaccard[0] == pytest.approx(0.01 / 1.99, abs=0.01)
     assert other.jaccard[1] == pytest.approx(0.1 / 1.9, abs=0.01)
-    assert abs(other.spearman_sqrt_mass) < 0.7 and other.verdict == MORE_PROMPTS
+    assert abs(other.spearman_bound_mass) < 0.7 and other.verdict == MORE_PROMPTS
 
 
 def test_spearman_brown_suggestion():
@@ -187,7 +189,7 @@ def test_split_halves_are_the_exact_fisher_of_each_half_and_change_nothing_else(
         want = {}
         for name, sq in sums.squares.items():
             want[module_of(name)] = want.get(module_of(name), 0.0) + float((sq / len(rows)).sqrt().double().sum())
-        got = {m: v[half] for m, v in zip(split.modules, split.module_sqrt_mass)}
+        got = {m: v[half] for m, v in zip(split.modules, split.module_bound_mass)}
         for m in want:
             assert got[m] == pytest.approx(want[m], rel=1e-4), m
     assert sum(cal.diagnostics.unit_counts) == cal.num_samples
@@ -305,7 +307,7 @@ def test_report_json_markdown_and_summary(tiny_runs):
     stats = ReportStatistics.from_json(data["statistics"])
     assert stats.conformity is not None and stats.stability is not None and stats.concentration is not None
     assert [b.objective for b in stats.bound_ratios] == ["rl"] and stats.signals[0].value_label == "reward"
-    assert all(m["sqrt_fisher_mass"] > 0 for m in data["modules"])
+    assert all(m["bound_mass"] > 0 for m in data["modules"])
     md = (tiny_runs[0] / "report.md").read_text()
     assert md.index("do not promise") < md.index("## Objectives") and "sum of sqrt(F)" in md
     report = load_run(tiny_runs[0]).report
@@ -332,10 +334,10 @@ def test_report_command_regenerates_the_same_report(tiny_runs, tmp_path):
 
 def test_compare_two_seeds(tiny_runs):
     same = compare([tiny_runs[0], tiny_runs[0]])
-    assert same.pairs[0].jaccard == [1.0, 1.0] and same.pairs[0].spearman_sqrt_mass == pytest.approx(1.0)
+    assert same.pairs[0].jaccard == [1.0, 1.0] and same.pairs[0].spearman_bound_mass == pytest.approx(1.0)
     seeds = compare(tiny_runs)
     pair = seeds.pairs[0]
-    assert pair.comparable and all(0 < j < 1 for j in pair.jaccard) and pair.spearman_sqrt_mass > 0.5
+    assert pair.comparable and all(0 < j < 1 for j in pair.jaccard) and pair.spearman_bound_mass > 0.5
     assert [r["seed"] for r in seeds.runs] == [0, 1]
 
 

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from fisher_select.calibration.calibrator import calibrate
-from fisher_select.calibration.checkpoint import Checkpointer, CheckpointConfig, checkpoint_folder
+from fisher_select.calibration.checkpoint import Checkpointer, CheckpointConfig
+from fisher_select.rundir import checkpoint_folder
 from fisher_select.calibration.objectives import OPDFullObjective, RLObjective
 from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.calibration.teachers import Teacher
@@ -40,9 +41,9 @@ PROMPTS, K, BATCH = 10, 2, 4  # 5 batches of 2 prompts x 2 responses
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, embedded):
+def workdir(tmp_path_factory, smol_tokenizer):
     root = tmp_path_factory.mktemp("resume")
-    save_small_llama(root / "model", embedded[1], hidden=32, intermediate=64, layers=1)
+    save_small_llama(root / "model", smol_tokenizer, hidden=32, intermediate=64, layers=1)
     (root / "killer_reward.py").write_text(KILLER)
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(PROMPTS)))
     (root / "recipe.yaml").write_text(
@@ -69,7 +70,8 @@ def _assert_same_run(a, b):
         ta, tb = load_file(str(a / name)), load_file(str(b / name))
         assert ta.keys() == tb.keys()
         assert all(torch.equal(ta[k], tb[k]) for k in ta), name
-    assert compare_runs(a, b) == []  # compare_runs leaves out what names the run (id, time, command line)
+    diff = compare_runs(a, b)  # leaves out what names the run (id, time, command line)
+    assert diff.results == [] and diff.environment == []
 
 
 def test_sigkill_then_resume_equals_the_uninterrupted_run(workdir):

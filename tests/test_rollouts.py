@@ -21,12 +21,13 @@ import torch.multiprocessing as mp
 from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.objectives import OPDPGObjective, RLObjective
 from fisher_select.calibration.prompts import PromptRecord
-from fisher_select.calibration.rollouts import load_rollouts, mismatch_warnings
+from fisher_select.calibration.rollouts import load_rollouts
+from fisher_select.report.warnings import mismatch_warnings
 from fisher_select.calibration.teachers import Teacher, sequence_logprobs
 from fisher_select.errors import FisherSelectError
-from fisher_select.report.build import run_warnings
+from fisher_select.report.warnings import run_warnings
 from fisher_select.rundir import RunReport, load_run
-from tests.tiny import TinyTokenizer, enumeration_model, free_port, run_command, save_small_llama
+from tests.tiny import TinyTokenizer, enumeration_model, free_port, run_command
 
 PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 0", "3 3", "0 4 4", "2 2", "3 0 2"])]
 K, SEED = 4, 3
@@ -59,10 +60,9 @@ def _assert_equal(a, b):
     assert a.signal_scale == b.signal_scale and a.num_samples == b.num_samples
 
 
-def test_own_samples_rescored_reproduce_the_run_exactly(tmp_path, embedded):
+def test_own_samples_rescored_reproduce_the_run_exactly(tmp_path, small_llama_dir):
     """CLI, real tokenizer with a chat template: calibrate, then calibrate --rollouts its samples.jsonl."""
-    save_small_llama(tmp_path / "model", embedded[1], hidden=32, intermediate=64, layers=1)
-    args = ["--model", str(tmp_path / "model"), "--num-prompts", "4", "--samples-per-prompt", "3",
+    args = ["--model", str(small_llama_dir), "--num-prompts", "4", "--samples-per-prompt", "3",
             "--max-new-tokens", "6", "--batch-size", "6", "--no-progress"]
     assert run_command(["calibrate", *args, "--out", str(tmp_path / "a")]) == 0
     assert run_command(["calibrate", *args, "--rollouts", str(tmp_path / "a" / "samples.jsonl"),

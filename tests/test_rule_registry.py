@@ -11,7 +11,7 @@ from torch import nn
 from fisher_select import FisherSelectError, plan_coverage
 from fisher_select.engine import rules
 from fisher_select.models import fingerprint
-from fisher_select.outputs.peft_hints import lora_hints
+from fisher_select.outputs.lora import lora_hints
 from tests import runs
 from tests.tiny import tiny_model
 
@@ -97,4 +97,4 @@ def test_lora_targets_come_from_the_rules_with_or_without_the_model():
     run.report.coverage = cov.summary()  # as calibrate() records it
     for given in (model, None):
         hints = lora_hints(run, coverage=1.0, total_rank=8, rank_step=4, model=given)
-        assert sorted(hints["target_modules"]) == ["gate", "mix"], given
+        assert sorted(hints.target_modules) == ["gate", "mix"], given

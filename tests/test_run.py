@@ -107,7 +107,7 @@ def test_run_format_doc_names_every_field():
 
 
 def test_run_warnings_name_each_degenerate_result_with_its_number():
-    from fisher_select.report.build import run_warnings
+    from fisher_select.report.warnings import run_warnings
 
     run = make_run({"w": torch.tensor([1.0])}, objectives=[
         {"name": "rl", "signal_scale": 0.0, "prompts_without_signal": 8},

@@ -10,16 +10,10 @@ import pytest
 import torch
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.rundir import Run, save_tensors
-from fisher_select.outputs.selection import (
-    CAVEAT,
-    load_masks,
-    save_masks,
-    select_masks,
-    sidecar_path,
-    top_count,
-    top_k_mask,
-)
+from fisher_select.caveats import MASK_CAVEAT as CAVEAT
+from fisher_select.outputs.masks import load_masks, save_masks, select_masks
+from fisher_select.rundir import Run, save_tensors, sidecar_path
+from fisher_select.stats.ranking import top_count, top_k_mask
 
 SHAPES = {  # deliberately not in sorted order; mixes 2-D weights with 1-D parameters
     "mlp.up.weight": (6, 5),
@@ -129,7 +123,7 @@ def test_top_ties_go_to_canonical_order():
 @pytest.mark.parametrize("make", [tied_fisher, continuous_fisher])
 def test_mass_rule_is_smallest_set(q, make):
     run = make_run(make())
-    got = select_masks(run, mass=q)
+    got = select_masks(run, fisher_mass=q)
     f = concat(run.fisher)
     want = smallest_mass_set(f, q)
     assert_masks_equal(got.masks, split(want, run.fisher))
@@ -139,9 +133,26 @@ def test_mass_rule_is_smallest_set(q, make):
     assert chosen.sum() - chosen.min() < q * f.double().sum()
 
 
+@pytest.mark.parametrize("q", [0.05, 0.5, 0.9])
+def test_bound_mass_rule_is_the_smallest_set_of_the_sum_of_sqrt_f(q):
+    run = make_run(continuous_fisher())
+    got = select_masks(run, bound_mass=q)
+    root = concat(run.fisher).sqrt()
+    assert_masks_equal(got.masks, split(smallest_mass_set(root, q), run.fisher))
+    # Q of the bound mass takes at least as many coordinates as Q of the Fisher mass: F is concentrated.
+    assert got.selected >= select_masks(run, fisher_mass=q).selected
+    assert got.meta["rule"]["name"] == "bound_mass"
+
+
+def test_the_old_mass_flag_names_its_two_successors(tmp_path):
+    run_dir = write_run_dir(make_run(continuous_fisher()), tmp_path / "run")
+    with pytest.raises(FisherSelectError, match="--fisher-mass Q.*--bound-mass Q"):
+        run_command(["select", str(run_dir), "--mass", "0.5", "--out", str(tmp_path / "m.safetensors")])
+
+
 def test_mass_one_skips_zero_fisher():
     run = make_run(tied_fisher())
-    got = concat(select_masks(run, mass=1.0).masks)
+    got = concat(select_masks(run, fisher_mass=1.0).masks)
     assert torch.equal(got, concat(run.fisher) > 0)
 
 
@@ -155,7 +166,7 @@ def test_threshold_equals_bound_above_tau(objective):
     assert 0 < got.selected < concat(bounds).numel()
 
 
-@pytest.mark.parametrize("rule", [{"top": 0.3}, {"mass": 0.6}])
+@pytest.mark.parametrize("rule", [{"top": 0.3}, {"fisher_mass": 0.6}])
 def test_per_module_applies_budget_within_each_parameter(rule):
     run = make_run(tied_fisher(1))
     got = select_masks(run, per_module=True, **rule)
@@ -164,7 +175,7 @@ def test_per_module_applies_budget_within_each_parameter(rule):
         if "top" in rule:
             flat = first_k_by_value(f.reshape(-1), top_count(rule["top"], f.numel()))
         else:
-            flat = smallest_mass_set(f.reshape(-1), rule["mass"])
+            flat = smallest_mass_set(f.reshape(-1), rule["fisher_mass"])
         want[name] = flat.reshape(f.shape)
     assert_masks_equal(got.masks, want)
 
@@ -208,7 +219,7 @@ def test_structured_top_mass_threshold(structured):
             break
         chosen.append(u)
         running += u[0]
-    assert_masks_equal(select_masks(run, mass=0.7, structured=structured).masks, expand(chosen))
+    assert_masks_equal(select_masks(run, fisher_mass=0.7, structured=structured).masks, expand(chosen))
 
     # Unit bound sqrt(S * F_u) bounds the norm of the row's (column's) expected gradient.
     tau = 3.0
@@ -242,9 +253,9 @@ def test_top_k_mask_matches_sort_on_large_tensor():
     [
         ({"top": 0.0}, "outside (0, 1]"),
         ({"top": 1.5}, "outside (0, 1]"),
-        ({"mass": -0.1}, "outside (0, 1]"),
+        ({"fisher_mass": -0.1}, "outside (0, 1]"), ({"bound_mass": 1.1}, "outside (0, 1]"),
         ({}, "exactly one"),
-        ({"top": 0.1, "mass": 0.5}, "exactly one"),
+        ({"top": 0.1, "fisher_mass": 0.5}, "exactly one"), ({"fisher_mass": 0.1, "bound_mass": 0.5}, "exactly one"),
         ({"top": 0.1, "structured": "diagonal"}, "unknown structure"),
         ({"threshold": 1.0, "per_module": True}, "per-module"),
         ({"top": 0.1, "objective": "dpo"}, "no objective 'dpo'"),
@@ -320,10 +331,10 @@ def test_cli_select_writes_masks_and_prints_counts(tmp_path, capsys):
     run = make_run(tied_fisher())
     run_dir = write_run_dir(run, tmp_path / "run")
     out = tmp_path / "masks.safetensors"
-    assert run_command(["select", str(run_dir), "--mass", "0.5", "--per-module", "--out", str(out)]) == 0
+    assert run_command(["select", str(run_dir), "--fisher-mass", "0.5", "--per-module", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     masks, meta = load_masks(out)
-    assert_masks_equal(masks, select_masks(run, mass=0.5, per_module=True).masks)
+    assert_masks_equal(masks, select_masks(run, fisher_mass=0.5, per_module=True).masks)
     for m in meta["modules"]:
         assert m["name"] in text and f"{m['selected']:,}" in text
     assert CAVEAT in text and CAVEAT.startswith("Caveat:")
@@ -332,7 +343,7 @@ def test_cli_select_writes_masks_and_prints_counts(tmp_path, capsys):
     with pytest.raises(FisherSelectError, match="outside"):
         run_command(["select", str(run_dir), "--top", "2", "--out", str(tmp_path / "x.safetensors")])
     with pytest.raises(SystemExit):  # argparse: the rules are mutually exclusive
-        run_command(["select", str(run_dir), "--top", "0.1", "--mass", "0.5", "--out", str(out)])
+        run_command(["select", str(run_dir), "--top", "0.1", "--fisher-mass", "0.5", "--out", str(out)])
 
 
 def test_zero_signal_scale_refuses_threshold_and_warns_on_rankings():

@@ -19,9 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from fisher_select.models import fingerprint
-from fisher_select.outputs.masking import FisherMaskCallback
-from fisher_select.outputs.peft_hints import lora_config, lora_hints
-from fisher_select.outputs.selection import save_masks, select_masks
+from fisher_select.outputs.lora import lora_config, lora_hints
+from fisher_select.outputs.masks import FisherMaskCallback, save_masks, select_masks
 from tests import runs
 
 VOCAB = 64
@@ -139,7 +138,7 @@ def test_lora_hint_goes_through_peft_config_and_trains(kind, tmp_path):
     run = tiny_run(model)
     kwargs = dict(top_n=5, total_rank=24, rank_step=2, min_rank=2)
     hints = lora_hints(run, model=model, **kwargs)
-    ranks = {t["name"]: t["rank"] for t in hints["fisher_select"]["targets"]}
+    ranks = hints.ranks
     assert len(set(ranks.values())) > 1  # per-module ranks, so rank_pattern must be honoured
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = BUILDERS[kind](model, tmp_path, peft_config=lora_config(run, **kwargs))

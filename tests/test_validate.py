@@ -18,16 +18,16 @@ from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.calibration.teachers import Teacher
 from fisher_select.engine.reference import brute_force_sums, per_sample_scores, per_token_scores
 from fisher_select.errors import FisherSelectError
-from fisher_select.outputs.selection import top_count
-from fisher_select.report.build import module_of
+from fisher_select.stats.ranking import top_count
+from fisher_select.stats.naming import module_of
 from fisher_select.training import baselines
 from fisher_select.training.loop import Streams, backward, make_task, pad_rows, token_weights
 from fisher_select.training.metrics import (Realized, Subsample, auroc, first_step_check, ranking_metrics,
                                             spacing)
 from fisher_select.training.movement import bf16_lost, movement, snapshot
-from fisher_select.training.validate import (Setup, ValidationOptions, global_top_masks, minibatch_snr,
+from fisher_select.training.validate import (Setup, ValidationConfig, global_top_masks, minibatch_snr,
                                              recovered_share, row_score_sums, sgd_step, split_half_gradient,
-                                             summary_lines, validate)
+                                             validate, validation_summary_lines)
 from tests import enumeration as en
 from tests.runs import make_run
 from tests.tiny import TinyTokenizer, tiny_model
@@ -377,7 +377,7 @@ def test_validate_end_to_end_writes_json_and_plots_and_restores_the_model(rl_set
     before = snapshot(setup.model)
     out = tmp_path / "val"
     result = validate(run, 2, "sgd", 0.05, seed=0, setup=setup, out=out,
-                      options=ValidationOptions(subsample=3000, mask_densities=(0.1,)), **SMALL)
+                      config=ValidationConfig(subsample=3000, mask_densities=(0.1,)), **SMALL)
     assert {p.name for p in out.iterdir()} == {"validation.json", "bound_vs_movement.png", "precision_at_k.png",
                                                "objective_per_step.png"}
     report = json.loads((out / "validation.json").read_text())
@@ -441,7 +441,7 @@ def check_masked(report, run, model):
         assert r["recovered"] == pytest.approx(sum(shares) / len(shares))
         if len(seeds) > 1:
             assert (r["recovered_spread"]["min"], r["recovered_spread"]["max"]) == (min(shares), max(shares))
-    assert "recovered" in "\n".join(summary_lines(report))
+    assert "recovered" in "\n".join(validation_summary_lines(report))
     return full, start
 
 
@@ -451,9 +451,9 @@ def run_numel(run):
 
 def test_same_seed_reproduces_the_validation(rl_setup):
     run, setup = rl_setup
-    opts = ValidationOptions(subsample=2000, second_seed=False, adam_aware=False)
-    a = validate(run, 1, "adamw", 1e-3, weight_decay=0.1, seed=3, setup=setup, options=opts, **SMALL).report
-    b = validate(run, 1, "adamw", 1e-3, weight_decay=0.1, seed=3, setup=setup, options=opts, **SMALL).report
+    opts = ValidationConfig(subsample=2000, second_seed=False, adam_aware=False)
+    a = validate(run, 1, "adamw", 1e-3, weight_decay=0.1, seed=3, setup=setup, config=opts, **SMALL).report
+    b = validate(run, 1, "adamw", 1e-3, weight_decay=0.1, seed=3, setup=setup, config=opts, **SMALL).report
     assert a["auroc"] == b["auroc"] and a["training_outcome"]["runs"] == b["training_outcome"]["runs"]
     assert any("AdamW" in c for c in a["caveats"]) and any("weight decay" in c for c in a["caveats"])
 
@@ -467,14 +467,14 @@ def test_validate_sft_from_demonstrations_end_to_end(tmp_path):
     cal = calibrate(model, tok, prompts[:3], objective, samples_per_prompt=4, max_new_tokens=4, progress=False)
     run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}])
     setup = Setup(model, tok, SFTDemonstrationsObjective(demos), prompts[:3], prompts[3:], True)
-    options = ValidationOptions(subsample=2000, mask_densities=(0.1,), mask_seeds=2)
+    options = ValidationConfig(subsample=2000, mask_densities=(0.1,), mask_seeds=2)
     # minibatches of 2 of the 3 demonstrations: the seed decides which, so seeds differ
-    report = validate(run, 2, "sgd", 0.1, setup=setup, options=options, **(SMALL | {"prompts_per_step": 2, "samples_per_prompt": 1})).report
+    report = validate(run, 2, "sgd", 0.1, setup=setup, config=options, **(SMALL | {"prompts_per_step": 2, "samples_per_prompt": 1})).report
     full, start = check_masked(report, run, model)
     runs = {r["mask"]: r for r in report["training_outcome"]["masked_fine_tuning"]["runs"]}
     # two seeds train on different minibatches: the spread is real, not one run reported twice
     assert len({e["after"] for e in runs["fisher"]["per_seed"]}) == 2
-    assert "over seeds" in "\n".join(summary_lines(report))
+    assert "over seeds" in "\n".join(validation_summary_lines(report))
     assert full < start  # full fine-tuning lowered the held-out loss: every share above is a real division
     assert report["first_step_violation_rate"] is None and "unknown" in report["first_step"]["reason"]
     outcome = report["training_outcome"]
@@ -483,20 +483,18 @@ def test_validate_sft_from_demonstrations_end_to_end(tmp_path):
     assert report["auroc"]["q0.99"] is not None
     # F is objective-independent, but an RL run's S says nothing about SFT: no absolute bound then
     rl_run = make_run(cal.fisher, objectives=[{"name": "rl", "signal_scale": 0.5}])
-    opts = ValidationOptions(subsample=2000, second_seed=False, adam_aware=False)
-    other = validate(rl_run, 1, "sgd", 0.1, setup=setup, options=opts, **SMALL).report
+    opts = ValidationConfig(subsample=2000, second_seed=False, adam_aware=False)
+    other = validate(rl_run, 1, "sgd", 0.1, setup=setup, config=opts, **SMALL).report
     assert other["first_step_violation_rate"] is None and "belongs to its 'rl'" in other["first_step"]["reason"]
 
 
-def test_cli_validate_on_a_calibrated_run_directory(tmp_path, embedded, capsys):
+def test_cli_validate_on_a_calibrated_run_directory(tmp_path, small_llama_dir, capsys):
     """calibrate then validate through the CLI: the recipe (SFT from demonstrations, so a random model
     still gets a training signal), model and prompts come from report.json."""
     from fisher_select.cli import main
-    from tests.tiny import save_small_llama
 
-    save_small_llama(tmp_path / "model", embedded[1], hidden=32, intermediate=64, layers=1)
     run_dir = tmp_path / "run"
-    assert main(["calibrate", "--recipe", "sft-demonstrations", "--model", str(tmp_path / "model"), "--out", str(run_dir),
+    assert main(["calibrate", "--recipe", "sft-demonstrations", "--model", str(small_llama_dir), "--out", str(run_dir),
                  "--num-prompts", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
     capsys.readouterr()
     assert main(["validate", str(run_dir), "--steps", "1", "--lr", "1e-3", "--prompts-per-step", "2",
@@ -516,7 +514,7 @@ def test_cli_validate_on_a_calibrated_run_directory(tmp_path, embedded, capsys):
 
 
 def test_report_validation_section_rows_and_plain_failure_sentence():
-    from fisher_select.report import validation as section
+    from fisher_select.report import validation_section as section
 
     def fake(auc, optimizer):
         entry = {"auroc": {"q0.99": auc}}
@@ -540,8 +538,8 @@ def test_first_step_check_refuses_an_estimated_zero_signal_scale(rl_setup):
     """S estimated 0 (no calibration prompt's reward varied) would make the bound 0 everywhere: no check."""
     run, setup = rl_setup
     zero = make_run(run.fisher, objectives=[{"name": "rl", "signal_scale": 0.0}])
-    opts = ValidationOptions(subsample=2000, second_seed=False, adam_aware=False)
-    report = validate(zero, 1, "sgd", 0.05, setup=setup, options=opts, **SMALL).report
+    opts = ValidationConfig(subsample=2000, second_seed=False, adam_aware=False)
+    report = validate(zero, 1, "sgd", 0.05, setup=setup, config=opts, **SMALL).report
     assert report["first_step_violation_rate"] is None
     assert "estimated signal scale S is 0" in report["first_step"]["reason"]
 
@@ -549,9 +547,9 @@ def test_first_step_check_refuses_an_estimated_zero_signal_scale(rl_setup):
 def test_bad_validation_options_are_listed_in_one_error_before_training(rl_setup):
     run, setup = rl_setup
     before = snapshot(setup.model)
-    bad = ValidationOptions(subsample=10, first_step_prompts=1, mask_densities=(0.0, 1.5), mask_seeds=0)
+    bad = ValidationConfig(subsample=10, first_step_prompts=1, mask_densities=(0.0, 1.5), mask_seeds=0)
     with pytest.raises(FisherSelectError) as err:
-        validate(run, 1, "sgd", 0.1, setup=setup, options=bad, **SMALL)
+        validate(run, 1, "sgd", 0.1, setup=setup, config=bad, **SMALL)
     message = str(err.value)
     for part in ("subsample must be at least 100", "first_step_prompts must be at least 2",
                  "mask density 0.0 is not in (0, 1)", "mask density 1.5", "mask_seeds must be at least 1"):

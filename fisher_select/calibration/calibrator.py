@@ -8,26 +8,28 @@ the plain score sums. At the end everything is divided by the number of samples.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from fisher_select.calibration.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
+from fisher_select.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
                                                    rank_world, seed_for_rank, shard)
 from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage, score_sums
 from fisher_select.engine.memory import MemoryMode
 from fisher_select.errors import FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
-from fisher_select.calibration.settings import CalibrationSettings
+from fisher_select.calibration.settings import CalibrationConfig
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
 from fisher_select.engine.rules import guard_model
 from fisher_select.rundir import BoundsView
-from fisher_select.report.statistics import SplitHalf, compare_halves
-from fisher_select.calibration.sampling import SamplingConfig, left_pad, sample_responses
-from fisher_select.calibration.checkpoint import CheckpointConfig, Checkpointer, capture, digest, restore
+from fisher_select.stats.conformity import ScoreMeanConformity, score_mean_conformity
+from fisher_select.stats.naming import module_of
+from fisher_select.stats.stability import SplitHalf, compare_halves
+from fisher_select.calibration.sampling import SamplingConfig, eos_ids_of, pad_id_of, pad_rows, sample_responses
+from fisher_select.calibration.checkpoint import CheckpointConfig, Checkpointer, capture, digest, restore_state
 from fisher_select.calibration.rollouts import Rollouts, mismatch_summary, tokenize_rollouts
 from fisher_select.calibration.teachers import sequence_logprobs
 
@@ -73,23 +75,21 @@ def calibrate(
     tokenizer,
     prompts: list[PromptRecord],
     objective: Objective | list[Objective],
+    config: CalibrationConfig | None = None,
     *,
-    samples_per_prompt: int = CalibrationSettings.samples_per_prompt,
-    max_new_tokens: int = CalibrationSettings.max_new_tokens,
-    seed: int = CalibrationSettings.seed,
-    batch_size: int = CalibrationSettings.batch_size,
-    truncate_prompts: bool = CalibrationSettings.truncate_prompts,
-    accumulators: str = CalibrationSettings.accumulators,
-    modules: str | None = CalibrationSettings.modules,
-    accumulate_on: str = CalibrationSettings.accumulate_on,
     sampling: SamplingConfig | None = None,
     progress: bool = True,
     verify: bool = True,
-    stability: bool = CalibrationSettings.stability,
     rollouts: Rollouts | None = None,
     checkpoint: CheckpointConfig | None = None,
+    **fields,
 ) -> Calibration:
     """Estimate the model Fisher from the model's own samples and each objective's signal scale.
+
+    ``config`` (a ``CalibrationConfig``: samples per prompt, response length, seed, batch size,
+    memory mode, stability diagnostics; every field's meaning is its help text) may be given whole,
+    or field by field as keyword arguments (``samples_per_prompt=8``), which override it; an unknown
+    or invalid field is one ``FisherSelectError`` listing every problem.
 
     ``objective`` may be a list: F is computed once, each objective gets its own S and gradient
     estimate. Objective instances hold no statistics (the calibration does), so one may be used
@@ -97,33 +97,28 @@ def calibrate(
     check its data against the prompts; raise FisherSelectError). An objective with
     ``extra_rows(ctx)`` (SFT from demonstrations) gets those rows scored here, with this
     calibration's coverage, and ``extra_result(mean_score, fisher)`` turns their mean score into
-    its gradient estimate and summary fields. ``verify``
-    compares the engine's score sums with plain autograd on the first batch (catches a
-    parameter used outside its module, which no hook could see). ``stability`` keeps the split-half
-    and per-batch diagnostics of the report (``_Stability``: 4 bytes per parameter coordinate more).
-    ``truncate_prompts``: cut a prompt that does not fit the context with ``max_new_tokens`` to its
-    last tokens (counted in ``checks["prompts_truncated"]``) instead of refusing the calibration.
-    ``accumulators`` / ``modules`` / ``accumulate_on``: the memory mode (``engine.memory.MemoryMode``):
-    which fp32 accumulators exist, for which parameters, where; what a reduced mode lacks is listed
-    in ``checks["memory"]["missing"]`` (report warnings), never a crash.
+    its gradient estimate and summary fields. ``verify`` compares the engine's score sums with
+    plain autograd on the first batch (catches a parameter used outside its module, which no
+    hook could see). What a reduced memory mode lacks is listed in ``checks["memory"]["missing"]``
+    (report warnings), never a crash.
     ``rollouts`` (``rollouts.load_rollouts``): score these responses instead of sampling; their prompts
     and K replace ``prompts`` and ``samples_per_prompt`` (``checks["rollouts"]``: the on-policy check).
     ``checkpoint``: write the state every ``checkpoint.every`` batches and, with ``resume``, continue from
     the newest checkpoint (``calibration.checkpoint``; bit-identical to an uninterrupted pass on the CPU).
     """
+    config = CalibrationConfig.with_fields(config, fields)
     objectives = objective if isinstance(objective, list) else [objective]
     if rollouts is not None:  # the file's prompts and K; its responses are not sampled here
-        prompts, samples_per_prompt, sampling = rollouts.prompts, rollouts.k, None
-    check_inputs(prompts, objectives, samples_per_prompt, sampling if rollouts else sampling or SamplingConfig())
+        prompts, sampling = rollouts.prompts, None
+        config = dataclasses.replace(config, samples_per_prompt=rollouts.k)
+    check_inputs(prompts, objectives, config.samples_per_prompt,
+                 sampling if rollouts else sampling or SamplingConfig())
     was_training = model.training
     model.eval()
     try:
         with guard_model(model):  # layers stay differentiable while sampling (bitsandbytes)
-            return _Calibrator(model, tokenizer, objectives, samples_per_prompt, max_new_tokens, seed,
-                               batch_size, progress, verify, stability=stability,
-                               truncate_prompts=truncate_prompts,
-                               memory=MemoryMode(accumulators, modules, accumulate_on),
-                               rollouts=rollouts, checkpoint=checkpoint).execute(prompts)
+            return _Calibrator(model, tokenizer, objectives, config, progress, verify, rollouts=rollouts,
+                               checkpoint=checkpoint).execute(prompts)
     finally:
         model.train(was_training)
 
@@ -149,19 +144,6 @@ def check_inputs(prompts, objectives, k, sampling: SamplingConfig | None) -> Non
         raise FisherSelectError("; ".join(problems))
 
 
-def eos_ids_of(model, tokenizer) -> set[int]:
-    """EOS ids from the tokenizer and the model's generation config (which may list several)."""
-    ids = set()
-    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(i) for i in source)
-    if not ids:
-        raise FisherSelectError("the tokenizer defines no EOS token: responses would never end; set tokenizer.eos_token")
-    return ids
-
-
 @dataclass
 class _Batch:
     """A scoring batch: prompt + response rows, left padded, with every objective's group signals."""
@@ -180,33 +162,32 @@ class _Batch:
 class _Calibrator:
     """State of one calibration pass (accumulators, generator, progress bars)."""
 
-    def __init__(self, model, tokenizer, objectives, k, max_new_tokens, seed, batch_size, progress, verify,
-                 stability: bool = False, truncate_prompts: bool = False, memory: MemoryMode | None = None,
+    def __init__(self, model, tokenizer, objectives, config: CalibrationConfig, progress: bool, verify: bool,
                  rollouts: Rollouts | None = None, checkpoint: CheckpointConfig | None = None):
-        self.model, self.tokenizer, self.objectives = model, tokenizer, objectives
-        self.seed, self.rollouts, self.checkpoint = seed, rollouts, checkpoint
+        self.model, self.tokenizer, self.objectives, self.config = model, tokenizer, objectives, config
+        self.seed, self.rollouts, self.checkpoint = config.seed, rollouts, checkpoint
         self.ckpt: Checkpointer | None = None
-        self.k, self.max_new_tokens, self.verify, self.batch_size = k, max_new_tokens, verify, batch_size
-        self.groups_per_batch = max(1, batch_size // k)
+        self.k, self.max_new_tokens, self.verify = config.samples_per_prompt, config.max_new_tokens, verify
+        self.batch_size = config.batch_size
+        self.groups_per_batch = max(1, self.batch_size // self.k)
         self.device = next(model.parameters()).device
-        self.memory = memory or MemoryMode()
+        self.memory = MemoryMode(config.accumulators, config.modules, config.accumulate_on)
         whole = plan_coverage(model)
         self.cov: Coverage = self.memory.restrict(whole)  # only the parameters the memory mode keeps
         self.checks: dict = {"memory": {**self.memory.describe(),
                                         "missing": self.memory.missing(self.cov, len(whole.shapes))}}
         self.eos = eos_ids_of(model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad = pad if pad is not None else min(self.eos)
+        self.pad = pad_id_of(model, tokenizer)
         self.rank, self.world = rank_world()
-        self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(seed, self.rank))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(self.seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)
-        self.progress, self.truncate_prompts = progress, truncate_prompts
+        self.progress, self.truncate_prompts = progress, config.truncate_prompts
         self.sums: ScoreSums | None = None
         self.stats = [o.new_statistics() for o in objectives]  # one per objective, group by group
         self.token_index = [i for i, o in enumerate(objectives) if o.token_level]
         self.token = self._token_level() if self.token_index else None
         self.samples: list[dict] = []
-        self.stability = _Stability(self.cov, self.memory) if stability else None
+        self.stability = _Stability(self.cov, self.memory) if config.stability else None
 
     def execute(self, all_prompts: list[PromptRecord]) -> Calibration:
         every = self._render(all_prompts)
@@ -223,6 +204,7 @@ class _Calibrator:
         split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
         cal = self._result(len(all_prompts), extra)
         cal.diagnostics = calibration_diagnostics(self.stats, self.stability, split)
+        cal.diagnostics.conformity = self.conformity
         if self.ckpt is not None and not self.checkpoint.keep_when_done:
             self.ckpt.discard()
         return cal
@@ -267,7 +249,7 @@ class _Calibrator:
         if state is None:
             return 0
         done, tensors, meta, samples = state
-        restore(self, tensors, meta, samples)
+        restore_state(self, tensors, meta, samples)
         return done
 
     def _checkpoint_key(self, rendered: list[list[int]]) -> dict:
@@ -326,18 +308,9 @@ class _Calibrator:
             out.append(row)
         return out
 
-    def _pad(self, rows: list[ScoringRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded (B, T) input ids, attention mask and response mask of prompt + response rows."""
-        ids, mask = left_pad([r.ids for r in rows], self.pad, self.device)
-        resp = torch.zeros_like(ids, dtype=torch.bool)
-        width = ids.shape[1]
-        for b, r in enumerate(rows):
-            resp[b, width - len(r.ids) + r.start :] = True
-        return ids, mask, resp
-
     def _batch(self, groups: list[Group], signals: list[list[GroupSignal]]) -> _Batch:
         rows = [ScoringRow(g.prompt_ids + resp, len(g.prompt_ids)) for g in groups for resp in g.responses]
-        return _Batch(*self._pad(rows), groups, signals)
+        return _Batch(*pad_rows(rows, self.pad, self.device), groups, signals)
 
     def _score(self, batch: _Batch) -> None:
         signal = self.memory.signal(batch.sequence_signal(self.device))  # (O, B), None: no signal sums kept
@@ -365,7 +338,7 @@ class _Calibrator:
         sums = ScoreSums.zeros(self.cov, None, squares=False)
         mine = shard(rows, self.rank, self.world)
         for i in range(0, len(mine), self.batch_size):
-            ids, mask, resp = self._pad(mine[i : i + self.batch_size])  # (B, T) each
+            ids, mask, resp = pad_rows(mine[i : i + self.batch_size], self.pad, self.device)  # (B, T) each
             score_sums(self.model, ids, mask, resp, coverage=self.cov, into=sums, squares=False)
         if self.world > 1:
             sums.count = all_reduce_int(sums.count, self.device)
@@ -425,11 +398,14 @@ class _Calibrator:
         total = self.sums.total or {}  # no score sums in the gradient / fisher memory modes
         score_mean = {name: t / n for name, t in total.items()}
         results = [self._objective_result(i, fisher, mean) for i, mean in enumerate(extra)]
-        if total:
-            self.checks["score_mean"] = score_mean_check(fisher, score_mean, n)
+        coverage = self.cov.summary()
+        self.conformity = None
+        if total:  # the score-mean check: E[h] = 0 under the model (the report shows the whole check)
+            heavy = {name for name in fisher if module_of(name) in set(coverage.get("embeddings") or [])}
+            self.conformity = score_mean_conformity(fisher, score_mean, n, heavy)
+            self.checks["score_mean"] = score_mean_summary(self.conformity)
         cal = Calibration(fisher, score_mean, results, num_prompts, n,
-                          sum(s["truncated"] for s in self.samples), self.samples,
-                          self.cov.summary(), self.checks)
+                          sum(s["truncated"] for s in self.samples), self.samples, coverage, self.checks)
         if self.token is not None:
             cal.token_fisher = self.token.fisher()
         return cal
@@ -469,19 +445,12 @@ def verify_against_autograd(model, input_ids, attention_mask, response_mask, sum
     return {"max_relative_error": worst, "parameter": worst_name, "tolerance": tol}
 
 
-def score_mean_check(fisher, score_mean, n: int) -> dict:
-    """z-scores of the score mean: RMS near 1 when samples follow the model (E[h] = 0)."""
-    zsq, count = 0.0, 0
-    for name, f in fisher.items():
-        m = score_mean[name]
-        var = (f - m.square()).clamp_min(0)  # per-sample variance of h
-        ok = var > 0
-        # z^2 = mean^2 / (var / n), vectorised with where() rather than boolean copies
-        zsq += float(torch.where(ok, m.square() * n / torch.where(ok, var, 1.0), 0.0).sum(dtype=torch.float64))
-        count += int(ok.sum())
-    rms = math.sqrt(zsq / count) if count else float("nan")
-    return {"rms_z": rms, "coordinates": count,
-            "meaning": "RMS over coordinates of mean(h)/stderr; near 1 when E[h]=0 holds (samples from the model)"}
+def score_mean_summary(c: ScoreMeanConformity) -> dict:
+    """``checks["score_mean"]``: the check's headline numbers (``stats.conformity`` computes it)."""
+    return {"rms_z": c.all.rms_z, "coordinates": c.all.coordinates, "share_above_3": c.robust.share_above,
+            "expected_share": c.expected_share, "verdict": c.verdict,
+            "meaning": "z = mean(h) / stderr per coordinate, about standard normal when E[h] = 0 holds (samples "
+                       "from the model); rms_z over all coordinates, share_above_3 outside the embeddings and head"}
 
 
 class TokenLevel:
@@ -545,6 +514,7 @@ class CalibrationDiagnostics:
 
     scale_terms: list[list[float]]  # per objective, per prompt: its estimate of E[a^2 | x]
     split_half: SplitHalf | None = None  # None: stability off, or a half without prompts
+    conformity: ScoreMeanConformity | None = None  # None: no score sums (memory modes gradient / fisher)
     unit_names: list[str] = field(default_factory=list)  # parameter order of ``unit_masses``
     unit_masses: list[list[float]] = field(default_factory=list)  # per scoring unit: sum of h^2 per parameter
     unit_counts: list[int] = field(default_factory=list)  # per scoring unit: its samples

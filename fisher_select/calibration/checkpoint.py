@@ -29,16 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from fisher_select.atomic import write_dir
 from fisher_select.engine.scoring import ScoreSums
 from fisher_select.errors import FisherSelectError
-from fisher_select.rundir import save_tensors
+from fisher_select.rundir import (CHECKPOINT_BATCH_DIR, CHECKPOINT_BATCH_PATTERN, CHECKPOINT_MANIFEST,
+                                  CHECKPOINT_RANK_DIR, CHECKPOINT_SAMPLES, CHECKPOINT_TENSORS, read_json,
+                                  read_samples, read_tensors, save_tensors)
 
 FORMAT = 1
-MANIFEST, TENSORS, SAMPLES = "manifest.json", "tensors.safetensors", "samples.jsonl"
-_BATCH_DIR = re.compile(r"^batch-(\d{6})$")
+MANIFEST, TENSORS, SAMPLES = CHECKPOINT_MANIFEST, CHECKPOINT_TENSORS, CHECKPOINT_SAMPLES
+_BATCH_DIR = re.compile(CHECKPOINT_BATCH_PATTERN)
 _SUMS = ("squares", "total", "signal")
 
 
@@ -52,12 +53,6 @@ class CheckpointConfig:
     discard_existing: bool = False  # not resuming: remove an old checkpoint instead of refusing to start
     model_id: str | None = None  # the model's fingerprint id (computed from the model when None)
     keep_when_done: bool = False  # True: the caller discards them once the result is safely written
-
-
-def checkpoint_folder(out: Path) -> Path:
-    """``OUT.checkpoint`` beside the run directory ``OUT``."""
-    out = Path(out)
-    return out.with_name(out.name + ".checkpoint")
 
 
 def digest(obj) -> str:
@@ -77,7 +72,7 @@ class Checkpointer:
     def _check_start(self) -> None:
         # Another world size wrote these. A rank of the same world without a complete checkpoint of
         # its own (killed before its first one finished) restarts its shard: shards are independent.
-        others = [p.name for p in Path(self.cfg.folder).glob("rank-*")
+        others = [p.name for p in Path(self.cfg.folder).glob(CHECKPOINT_RANK_DIR.split("{")[0] + "*")
                   if p.is_dir() and p != self.dir and not p.name.endswith(f"-of-{self.world:03d}")]
         if self.cfg.resume and not self._newest() and others:
             raise FisherSelectError(
@@ -109,7 +104,7 @@ class Checkpointer:
             manifest = {**self.key, "batches_done": batches_done, "state": meta}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # written last: its presence marks completion
 
-        target = write_dir(self.dir / f"batch-{batches_done:06d}", writer, overwrite=True)
+        target = write_dir(self.dir / CHECKPOINT_BATCH_DIR.format(batches=batches_done), writer, overwrite=True)
         for old in self.dir.iterdir():
             if _BATCH_DIR.match(old.name) and old.name < target.name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -120,15 +115,15 @@ class Checkpointer:
         path = self._newest() if self.cfg.resume else None
         if path is None:
             return None
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_json(path / MANIFEST)
         differ = [k for k in sorted(set(self.key) | set(manifest) - {"batches_done", "state"})
                   if manifest.get(k) != self.key.get(k)]
         if differ:
             raise FisherSelectError(
                 f"checkpoint {path} belongs to another calibration (it differs in {', '.join(differ)}): resume with "
                 f"the same model, prompts, objectives and settings, or remove {self.cfg.folder} to start over")
-        samples = [json.loads(line) for line in (path / SAMPLES).read_text().splitlines() if line]
-        return manifest["batches_done"], load_file(str(path / TENSORS)), manifest["state"], samples
+        samples = read_samples(path / SAMPLES)
+        return manifest["batches_done"], read_tensors(path / TENSORS), manifest["state"], samples
 
     def discard(self) -> None:
         """After the result is complete: this rank's checkpoints go (and the folder, once empty)."""
@@ -145,7 +140,7 @@ def finish(cfg: CheckpointConfig, rank: int, world: int) -> None:
 
 
 def rank_folder(cfg: CheckpointConfig, rank: int, world: int) -> Path:
-    return Path(cfg.folder) / f"rank-{rank:03d}-of-{world:03d}"
+    return Path(cfg.folder) / CHECKPOINT_RANK_DIR.format(rank=rank, world=world)
 
 
 def _discard(cfg: CheckpointConfig, rank: int, world: int) -> None:
@@ -204,7 +199,7 @@ def capture(cal) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def restore(cal, tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict]) -> None:
+def restore_state(cal, tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict]) -> None:
     """Put a captured state back into a freshly built calibrator (same settings, checked by the manifest)."""
     where = getattr(getattr(cal, "memory", None), "device", None)  # accumulators kept on the CPU by a memory mode
 

@@ -32,8 +32,6 @@ from fisher_select.errors import FisherSelectError
 PROMPT_KEYS = ("prompt_ids", "prompt", "messages")
 RESPONSE_KEYS = ("response_ids", "completion_ids", "response", "completion")
 SAMPLER_KEYS = ("sampler_logprob", "logprob", "sampler_token_logprobs")
-KNOWN = set(PROMPT_KEYS + RESPONSE_KEYS + SAMPLER_KEYS) | {
-    "reward", "teacher_logprob", "teacher_token_logprobs", "truncated", "prompt_index", "value", "signal"}
 MAX_LISTED = 40  # problems named in the error; the rest are counted
 # A response is off-policy when |sampler - model| log-probability exceeds this, per token
 # (fp32 recomputation of the same model differs by ~1e-6; bf16 samplers by ~1e-2 per token).
@@ -88,9 +86,6 @@ class Rollouts:
     @property
     def prompts(self) -> list[PromptRecord]:
         return [g.record for g in self.groups]
-
-    def by_index(self) -> dict[int, RolloutGroup]:
-        return {g.record.index: g for g in self.groups}
 
     def describe(self) -> dict:
         return {"method": "rollouts", "file": str(self.path), "sha256": self.sha256, "rows": self.num_rows,
@@ -493,30 +488,3 @@ def mismatch_summary(samples: list[dict]) -> dict:
             "mean_abs_mismatch_per_token": float((delta.abs() / lengths).mean()),
             "off_policy_responses": int(off.sum()), "kl_estimate": float(delta.mean()), "importance_ess": ess,
             "verdict": "off-policy" if bool(off.any()) else "on-policy"}
-
-
-def mismatch_warnings(check: dict | None) -> list[str]:
-    """Loud report warnings of a rollout run (``checks["rollouts"]``), with the numbers."""
-    if not check:
-        return []
-    out = []
-    if check.get("prompts_in_file", 0) > check.get("prompts", 0):
-        out.append(f"rollouts: only the first {check['prompts']} of the file's {check['prompts_in_file']} prompts were "
-                   "scored (num_prompts); pass --num-prompts to use more")
-    return out + _policy_warnings(check)
-
-
-def _policy_warnings(check: dict) -> list[str]:
-    if check.get("verdict") == "unchecked":
-        return [f"rollouts: none of the {check['responses']} responses carries the sampler's log-probability, so "
-                "nothing checks they were sampled from this model at temperature 1 (off-policy rollouts estimate "
-                "another Fisher); add sampler_logprob or sampler_token_logprobs to the file (docs/ROLLOUTS.md)"]
-    if check.get("verdict") != "off-policy":
-        return []
-    return [f"OFF-POLICY ROLLOUTS: {check['off_policy_responses']} of {check['with_sampler_logprob']} responses have a "
-            f"sampler log-probability that differs from this model's by more than {check['tolerance_per_token']:g} "
-            f"nats per token (mean |difference| {check['mean_abs_mismatch']:.4g} nats per response, "
-            f"{check['mean_abs_mismatch_per_token']:.3g} per token, max {check['max_abs_mismatch']:.4g}; "
-            f"KL(sampler || model) ~ {check['kl_estimate']:.4g}; importance-weight ESS {check['importance_ess']:.1%}): "
-            "these responses were not drawn from this model, so F, S and the bounds describe another distribution; "
-            "calibrate on samples of this exact checkpoint (no --rollouts, or rollouts re-generated from it)"]

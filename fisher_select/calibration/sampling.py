@@ -62,6 +62,25 @@ class Sampled:
 Observer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+def eos_ids_of(model, tokenizer) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config (which may list several)."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    if not ids:
+        raise FisherSelectError("the tokenizer defines no EOS token: responses would never end; set tokenizer.eos_token")
+    return ids
+
+
+def pad_id_of(model, tokenizer) -> int:
+    """The padding id: the tokenizer's, else the smallest EOS id (padding is masked out either way)."""
+    pad = tokenizer.pad_token_id
+    return pad if pad is not None else min(eos_ids_of(model, tokenizer))
+
+
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists: (B, T) ids and attention mask."""
     width = max(len(r) for r in rows)
@@ -71,6 +90,17 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
         ids[b, width - len(r) :] = torch.tensor(r, dtype=torch.long)
         mask[b, width - len(r) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def pad_rows(rows, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded (B, T) ids, attention mask and response mask of prompt + response rows (each with
+    ``.ids``, the prompt and response tokens, and ``.start``, where the response begins)."""
+    ids, mask = left_pad([r.ids for r in rows], pad_id, device)
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    width = ids.shape[1]
+    for b, r in enumerate(rows):
+        resp[b, width - len(r.ids) + r.start :] = True
+    return ids, mask, resp
 
 
 BUCKET_WASTE = 0.25  # a prefill bucket's padded tokens may exceed its real ones by this share

@@ -1,12 +1,20 @@
-"""The calibration settings ``calibrate()`` takes and a recipe sets: defaults and help, once."""
+"""The calibration settings ``calibrate()`` takes and a recipe sets: defaults and help, once.
+
+``RecipeConfig`` inherits these fields (a recipe's top-level keys), ``calibrate`` takes the config
+whole, and the CLI's flags are generated from the same fields.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from fisher_select.errors import FisherSelectError
+from fisher_select.fields import build_dataclass
 
 
 @dataclass
-class CalibrationSettings:
+class CalibrationConfig:
     """How many responses are drawn, how long they may be, the seed, and the batch size."""
 
     samples_per_prompt: int = field(default=4, metadata={
@@ -49,3 +57,21 @@ class CalibrationSettings:
                 "standard errors of F mass): one more fp32 accumulator, 4 bytes per parameter; turn off for big "
                 "models where every accumulator counts",
     })
+
+    @classmethod
+    def with_fields(cls, config: "CalibrationConfig | None", fields: dict) -> "CalibrationConfig":
+        """``config`` (default: the defaults) with ``fields`` replaced, every field checked; one error
+        lists every problem (unknown names, wrong types, values out of range)."""
+        base = config if config is not None else cls()
+        own = {f.name for f in dataclasses.fields(cls)}
+        data = {name: getattr(base, name) for name in own} | fields
+        errors: list[str] = []
+        built = build_dataclass(cls, data, "", errors)
+        if errors:
+            raise FisherSelectError("invalid calibration settings: " + "; ".join(errors))
+        return built
+
+    def calibration_config(self) -> "CalibrationConfig":
+        """Just the calibration fields (of a ``RecipeConfig``, say)."""
+        return CalibrationConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CalibrationConfig)})
+

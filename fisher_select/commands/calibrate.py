@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fisher_select.config import RecipeConfig, find_recipe, load_recipe
-from fisher_select.calibration.distributed import rank_world
+from fisher_select.distributed import rank_world
 from fisher_select.pipeline import run_recipe
-from fisher_select.report.build import summary_lines
-from fisher_select.validation import add_dataclass_arguments
+from fisher_select.report.text import run_summary_lines
+from fisher_select.fields import add_dataclass_arguments
 
 
 def register(subparsers) -> None:
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
                         "batches); starts from the beginning when there is none; same recipe and flags")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--all", dest="all_modules", action="store_true",
-                   help="list every module in the summary (default: the top 15 by sum of sqrt(F))")
+                   help="list every module in the summary (default: the top 15 by bound mass, the sum of sqrt(F))")
     overrides = add_dataclass_arguments(p.add_argument_group("recipe overrides"), RecipeConfig)
     p.set_defaults(func=main, overrides=tuple(overrides))
 
@@ -35,7 +35,7 @@ def main(args) -> int:
                         resume=args.resume)
     if rank_world()[0] != 0:  # under torchrun / accelerate, rank 0 writes and reports
         return 0
-    for line in summary_lines(result.report, top=None if args.all_modules else 15):
+    for line in run_summary_lines(result.report, top=None if args.all_modules else 15):
         print(line)
     print(f"wrote {result.out}")
     return 0

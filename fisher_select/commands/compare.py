@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fisher_select.atomic import write_file
-from fisher_select.errors import FisherSelectError
-from fisher_select.report.compare import compare, comparison_lines
 
 
 def register(subparsers) -> None:
@@ -22,6 +19,10 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
+    from fisher_select.atomic import write_file
+    from fisher_select.errors import FisherSelectError
+    from fisher_select.report.compare import compare, comparison_lines
+
     if len(args.runs) < 2:
         raise FisherSelectError("compare needs at least two run directories")
     result = compare(args.runs)

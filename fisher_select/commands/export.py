@@ -9,15 +9,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fisher_select.atomic import refuse_existing
 from fisher_select.commands import add_command
-from fisher_select.commands.lora import RANK_FLAGS, add_lora_arguments, hint_kwargs, write_lora
+from fisher_select.commands.lora import PICK_FLAGS, RANK_FLAGS, add_lora_arguments, hint_kwargs, write_lora
 from fisher_select.errors import FisherSelectError
-from fisher_select.outputs.export import FORMATS, UnfreezeSettings, save_unfrozen_parameters, unfrozen_parameters
-from fisher_select.validation import add_dataclass_arguments
+from fisher_select.fields import add_dataclass_arguments
 
-AXOLOTL_FLAGS = ("mass", "top_modules", "objective")
-PEFT_FLAGS = ("coverage", "top_n", *RANK_FLAGS, "layers", "modules")
+FORMATS = ("axolotl", "peft")
+AXOLOTL_FLAGS = ("bound_mass", "top_modules", "objective")
+PEFT_FLAGS = (*PICK_FLAGS, *RANK_FLAGS, "layers", "modules")
 
 
 def register(subparsers) -> None:
@@ -27,7 +26,7 @@ def register(subparsers) -> None:
         description=(
             "--format axolotl: the unfrozen_parameters list axolotl reads (as Spectrum writes it), one "
             "^name$ pattern per parameter of the modules with the most bound mass (sum of sqrt(F)), "
-            "by --mass share or --top-modules. --format peft: adapter_config.json + "
+            "by --bound-mass share or --top-modules. --format peft: adapter_config.json + "
             "fisher_select_provenance.json in --out (as `fisher-select lora`). Every pattern / target is "
             "checked to match parameters / modules of the run; trainable counts are printed."
         ),
@@ -38,18 +37,24 @@ def register(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     axolotl = p.add_argument_group("axolotl")
     pick = axolotl.add_mutually_exclusive_group()
-    add_dataclass_arguments(pick, UnfreezeSettings)
+    from fisher_select.outputs.axolotl import UnfreezeConfig
+
+    add_dataclass_arguments(pick, UnfreezeConfig)
     axolotl.add_argument("--objective", metavar="NAME", help="objective whose Fisher ranks modules (default: primary)")
-    add_lora_arguments(p.add_argument_group("peft (as `fisher-select lora`)"), keep_defaults=False)
+    add_lora_arguments(p.add_argument_group("peft (as `fisher-select lora`)"))
 
 
 def main(args: argparse.Namespace) -> int:
     _refuse_other_format_flags(args)
     if args.format == "peft":
         return write_lora(args.run, hint_kwargs(args), Path(args.out), args.overwrite)
+    from fisher_select.atomic import refuse_existing
+    from fisher_select.outputs.axolotl import save_unfrozen_parameters, unfrozen_parameters
+
     out = Path(args.out)
     refuse_existing([out], args.overwrite)  # before the selection, not after it
-    result = unfrozen_parameters(args.run, mass=args.mass, top_modules=args.top_modules, objective=args.objective)
+    result = unfrozen_parameters(args.run, bound_mass=args.bound_mass, top_modules=args.top_modules,
+                                 objective=args.objective)
     path = save_unfrozen_parameters(result, out, overwrite=args.overwrite)
     _print_modules(result)
     print(f"wrote {path}: paste its unfrozen_parameters list into the axolotl config")

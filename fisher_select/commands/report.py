@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fisher_select.commands import add_command
-from fisher_select.report.build import regenerate
 
 
 def register(subparsers) -> None:
@@ -17,6 +16,8 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
+    from fisher_select.run_report import regenerate
+
     for path in regenerate(args.run):
         print(f"wrote {path}")
     return 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fisher_select.atomic import refuse_existing
-from fisher_select.outputs.selection import CAVEAT, STRUCTURES, save_masks, select_masks, sidecar_path
+from fisher_select.caveats import MASK_CAVEAT
+
+STRUCTURES = ("rows", "columns")
 
 
 def register(subparsers) -> None:
@@ -17,12 +18,15 @@ def register(subparsers) -> None:
     rule = p.add_mutually_exclusive_group(required=True)
     rule.add_argument("--top", type=float, metavar="F",
                       help="fraction in (0,1] of coordinates with the largest bound")
-    rule.add_argument("--mass", type=float, metavar="Q",
-                      help="smallest set of coordinates holding fraction Q of the Fisher mass")
+    rule.add_argument("--fisher-mass", type=float, metavar="Q",
+                      help="smallest set of coordinates holding fraction Q of the Fisher mass (sum of F)")
+    rule.add_argument("--bound-mass", type=float, metavar="Q",
+                      help="smallest set of coordinates holding fraction Q of the bound mass (sum of sqrt(F))")
+    rule.add_argument("--mass", type=float, metavar="Q", help=argparse.SUPPRESS)  # renamed: refused with a hint
     rule.add_argument("--threshold", type=float, metavar="TAU",
                       help="coordinates whose bound sqrt(F*S) exceeds TAU (needs a known S)")
     p.add_argument("--per-module", action="store_true",
-                   help="apply the --top/--mass budget within each parameter tensor")
+                   help="apply the --top / --fisher-mass / --bound-mass budget within each parameter tensor")
     p.add_argument("--structured", choices=STRUCTURES,
                    help="select whole rows/columns of 2-D weights (other parameters: coordinates)")
     p.add_argument("--objective", metavar="NAME", help="objective whose S sets the bound (default: primary)")
@@ -32,12 +36,21 @@ def register(subparsers) -> None:
 
 
 def run_select(args: argparse.Namespace) -> int:
+    from fisher_select.atomic import refuse_existing
+    from fisher_select.errors import FisherSelectError
+    from fisher_select.outputs.masks import save_masks, select_masks
+    from fisher_select.rundir import sidecar_path
+
+    if args.mass is not None:
+        raise FisherSelectError("--mass was two quantities in one word and is gone: pass --fisher-mass Q (a share "
+                                "of the sum of F, what --mass meant) or --bound-mass Q (a share of the sum of sqrt(F))")
     out = Path(args.out)
     refuse_existing([out, sidecar_path(out)], args.overwrite)  # before the (possibly long) selection
     maskset = select_masks(
         args.run,
         top=args.top,
-        mass=args.mass,
+        fisher_mass=args.fisher_mass,
+        bound_mass=args.bound_mass,
         threshold=args.threshold,
         per_module=args.per_module,
         structured=args.structured,
@@ -48,7 +61,7 @@ def run_select(args: argparse.Namespace) -> int:
     for warning in maskset.meta["warnings"]:
         print(f"warning: {warning}")
     print(f"wrote {path} and {sidecar_path(path).name}")
-    print(CAVEAT)
+    print(MASK_CAVEAT)
     return 0
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fisher_select.commands import add_command
-from fisher_select.report.build import regenerate
-from fisher_select.training.loop import OPTIMIZERS
-from fisher_select.training.validate import ValidationOptions, summary_lines, validate
+
+OPTIMIZERS = ("sgd", "adamw")  # training.loop.OPTIMIZERS (a test checks they agree)
 
 
 def register(subparsers) -> None:
@@ -45,7 +44,10 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    options = ValidationOptions(subsample=args.subsample, second_seed=not args.no_second_seed,
+    from fisher_select.run_report import regenerate
+    from fisher_select.training.validate import ValidationConfig, validate, validation_summary_lines
+
+    config = ValidationConfig(subsample=args.subsample, second_seed=not args.no_second_seed,
                                 first_step_prompts=args.first_step_prompts, eval_prompts=args.eval_prompts,
                                 mask_densities=tuple(args.mask_densities),
                                 mask_seeds=args.mask_seeds, adam_aware=not args.no_adam_aware)
@@ -54,9 +56,9 @@ def main(args) -> int:
     if args.max_new_tokens is not None:
         batch["max_new_tokens"] = args.max_new_tokens
     result = validate(args.run, args.steps, args.optimizer, args.lr, args.weight_decay, args.seed, out=args.out,
-                      overwrite=args.overwrite, options=options, device=args.device, progress=not args.no_progress,
+                      overwrite=args.overwrite, config=config, device=args.device, progress=not args.no_progress,
                       **batch)
-    for line in summary_lines(result.report):
+    for line in validation_summary_lines(result.report):
         print(line)
     if result.out is not None:
         print(f"wrote {result.out}")

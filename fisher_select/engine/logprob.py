@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -19,13 +18,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def _at_least_fp32(t: torch.Tensor) -> torch.dtype:
     """fp32 for half-precision logits (never bf16 log-softmax); float64 stays float64 (exactness tests)."""
     return torch.promote_types(t.dtype, torch.float32)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T, V), (B, T) -> (B, T): ``log pi(ids[:, t] | ids[:, :t])`` for t >= 1; 0 at t = 0."""
-    logp = torch.log_softmax(logits[:, :-1].to(_at_least_fp32(logits)), dim=-1)  # fp32 at least
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    return F.pad(picked, (1, 0))
 
 
 def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int | None = None) -> torch.Tensor:

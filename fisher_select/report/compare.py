@@ -11,10 +11,12 @@ import itertools
 import os
 from dataclasses import asdict, dataclass, field
 
-from fisher_select.report.statistics import (TOP_FRACTIONS, ReportStatistics, mask_jaccards, module_of,
-                                             module_sums, spearman)
+from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import fmt, interval, pct, uncertainty_of
 from fisher_select.rundir import Run, load_run
+from fisher_select.stats.correlation import mask_jaccards, module_sums, spearman
+from fisher_select.stats.naming import module_of
+from fisher_select.stats.stability import TOP_FRACTIONS
 
 
 @dataclass
@@ -26,8 +28,8 @@ class PairAgreement:
     comparable: bool
     top_fractions: list[float] = field(default_factory=list)
     jaccard: list[float] = field(default_factory=list)  # of the exact top-fraction masks of F, per fraction
-    spearman_sqrt_mass: float | None = None  # module sums of sqrt(F), over common modules
-    spearman_mass: float | None = None  # module sums of F
+    spearman_bound_mass: float | None = None  # module sums of sqrt(F), over common modules
+    spearman_fisher_mass: float | None = None  # module sums of F
     common_modules: int = 0
     note: str = ""
 
@@ -61,7 +63,7 @@ def _summary(run: Run, path: str) -> dict:
             "truncated": pct(r.truncation_rate), "objectives": "; ".join(objectives),
             "conformity": stats.conformity.verdict if stats.conformity else "n/a",
             "stability": stats.stability.verdict if stats.stability else "n/a",
-            "top 1% mass": pct(conc.mass_shares[1]) if conc else "n/a"}
+            "top 1% mass": pct(conc.fisher_mass_shares[1]) if conc else "n/a"}
 
 
 def agreement(a: Run, b: Run, name_a: str, name_b: str) -> PairAgreement:
@@ -78,8 +80,8 @@ def agreement(a: Run, b: Run, name_a: str, name_b: str) -> PairAgreement:
     if common:
         sub_a = {n: t for n, t in fa.items() if module_of(n) in common}
         sub_b = {n: t for n, t in fb.items() if module_of(n) in common}
-        out.spearman_sqrt_mass = spearman(module_sums(sub_a, common, True), module_sums(sub_b, common, True))
-        out.spearman_mass = spearman(module_sums(sub_a, common, False), module_sums(sub_b, common, False))
+        out.spearman_bound_mass = spearman(module_sums(sub_a, common, True), module_sums(sub_b, common, True))
+        out.spearman_fisher_mass = spearman(module_sums(sub_a, common, False), module_sums(sub_b, common, False))
     return out
 
 
@@ -95,6 +97,6 @@ def comparison_lines(c: Comparison) -> list[str]:
             overlap = ", ".join(f"top {pct(f)} Jaccard {fmt(j)}" for f, j in zip(p.top_fractions, p.jaccard))
         else:
             overlap = p.note
-        lines.append(f"{head} {overlap}; Spearman of module sqrt(F) masses {fmt(p.spearman_sqrt_mass)} "
-                     f"(F masses {fmt(p.spearman_mass)}) over {p.common_modules} common modules")
+        lines.append(f"{head} {overlap}; Spearman of module bound masses (sum sqrt(F)) {fmt(p.spearman_bound_mass)} "
+                     f"(Fisher masses, sum F, {fmt(p.spearman_fisher_mass)}) over {p.common_modules} common modules")
     return lines

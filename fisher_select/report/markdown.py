@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fisher_select.report import validation
+from fisher_select.report import validation_section
 from fisher_select.report.statistics import ReportStatistics
-from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
+from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
                                        ranked_modules, scale_text, uncertainty_of)
 from fisher_select.rundir import RunReport
 
@@ -33,7 +33,7 @@ def markdown_text(report: RunReport, validations=()) -> str:
             f"Autograd check: max relative error {fmt(report.checks.get('autograd', {}).get('max_relative_error'))}."]
     out += _objectives(report, stats) + _conformity(stats) + _stability(stats) + _concentration(stats)
     out += _ratios(stats) + _signals(stats) + _modules(report)
-    out += validation.markdown_lines(list(validations))  # RUN/validation-*/validation.json
+    out += validation_section.markdown_lines(list(validations))  # RUN/validation-*/validation.json
     return "\n".join(out) + "\n"
 
 
@@ -62,7 +62,7 @@ def _stability(stats) -> list[str]:
         return ["", "## Estimator stability", "", "Not measured (calibrate(stability=False), or a half without prompts)."]
     rows = [[f"top {pct(f)}", fmt(j)] for f, j in zip(s.top_fractions, s.jaccard)]
     return (["", "## Estimator stability (split halves)", "", s.message, "",
-             f"Spearman of module sqrt(F) masses: {fmt(s.spearman_sqrt_mass)}; of F masses: {fmt(s.spearman_mass)}.", ""]
+             f"Spearman of module bound masses (sum sqrt(F)): {fmt(s.spearman_bound_mass)}; of Fisher masses (sum F): {fmt(s.spearman_fisher_mass)}.", ""]
             + _table(["coordinate mask", "Jaccard between halves"], rows))
 
 
@@ -70,7 +70,7 @@ def _concentration(stats) -> list[str]:
     c = stats.concentration
     if c is None:
         return []
-    rows = [[f"top {pct(f)}", pct(s)] for f, s in zip(c.fractions, c.mass_shares)]
+    rows = [[f"top {pct(f)}", pct(s)] for f, s in zip(c.fractions, c.fisher_mass_shares)]
     return (["", "## Concentration of F", "", f"{c.coordinates} coordinates, {c.zero_coordinates} with F = 0.", ""]
             + _table(["coordinates", "share of F mass"], rows))
 

@@ -11,10 +11,10 @@ import html
 import json
 from pathlib import Path
 
-from fisher_select.report import plots, validation
+from fisher_select.report import plots, validation_section
 from fisher_select.report.statistics import ReportStatistics
-from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, interval, module_cells, pct,
-                                       ranked_modules, uncertainty_of)
+from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
+                                       ranked_modules)
 from fisher_select.rundir import RunReport
 
 TOP_MODULES = 30
@@ -58,7 +58,7 @@ def page_html(report: RunReport, samples: list[dict], validations=()) -> str:
     if report.warnings:
         body.append(f'<div class="warn"><b>Warnings about this run</b>{_list(report.warnings)}</div>')
     body += [_run_section(report), _objectives_section(report, stats), _statistics_section(stats),
-             _modules_section(report), validation.html_section(list(validations)), "<h2>Plots</h2>"]
+             _modules_section(report), validation_section.html_section(list(validations)), "<h2>Plots</h2>"]
     body += [f'<figure id="{p.key}"><h3>{_e(p.title)}</h3><img alt="{_e(p.title)}" src="{p.data_uri}">'
              f"<figcaption>{_e(p.caption)}</figcaption></figure>" for p in figures]
     body.append(_samples_section(report, samples))
@@ -112,7 +112,7 @@ def _statistics_section(stats: ReportStatistics) -> str:
     k = stats.concentration
     if k is not None:
         out += "<h2>Concentration</h2>" + _table(["top coordinates", "share of F mass"],
-                                                 [[pct(f), pct(m)] for f, m in zip(k.fractions, k.mass_shares)])
+                                                 [[pct(f), pct(m)] for f, m in zip(k.fractions, k.fisher_mass_shares)])
     for b in stats.bound_ratios:
         out += f"<h3>|g_hat| / bound per module type ({_e(b.objective)})</h3><p>{_e(b.note)}</p>" + _table(
             ["module type"] + [f"quantile {q:g}" for q in b.quantiles] + ["share > 1"],

@@ -19,9 +19,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation
 from scipy import stats as sps
 
-from fisher_select.report.statistics import ReportStatistics, layer_and_kind
+from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import ranked_modules
 from fisher_select.rundir import RunReport
+from fisher_select.stats.naming import layer_and_kind
 
 TOP = 30  # modules in the per-module bar charts
 DPI = 100
@@ -93,8 +94,8 @@ def modules_plot(report: RunReport) -> Plot | None:
     fig = _figure(9, 0.22 * len(mods) + 1.4)
     ax = fig.add_subplot()
     y = np.arange(len(mods))
-    ax.barh(y - 0.2, _positive([m.sqrt_mass_share for m in mods]), 0.4, label="share of sum sqrt(F) (ranking)")
-    ax.barh(y + 0.2, _positive([m.mass_share for m in mods]), 0.4, label="share of sum F")
+    ax.barh(y - 0.2, _positive([m.bound_share for m in mods]), 0.4, label="share of the bound mass, sum sqrt(F) (the ranking)")
+    ax.barh(y + 0.2, _positive([m.fisher_share for m in mods]), 0.4, label="share of the Fisher mass, sum F")
     ax.set_yticks(y, [m.name for m in mods], fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
@@ -142,7 +143,7 @@ def _layer_grid(report: RunReport):
         layer, kind = layer_and_kind(m.name)
         if layer is None:
             continue
-        cells[(layer, kind)] = cells.get((layer, kind), 0.0) + m.sqrt_fisher_mass
+        cells[(layer, kind)] = cells.get((layer, kind), 0.0) + m.bound_mass
         kinds += [] if kind in kinds else [kind]
         layers += [] if layer in layers else [layer]
     return cells, sorted(kinds), sorted(layers)
@@ -203,8 +204,8 @@ def cumulative_plot(stats: ReportStatistics) -> Plot | None:
     fig = _figure(7, 4)
     ax = fig.add_subplot()
     ax.plot(frac[keep], mass[keep], color="C0")
-    ax.plot(c.fractions, c.mass_shares, "o", color="C3", label="top 0.1% / 1% / 10% (exact)")
-    for f, s in zip(c.fractions, c.mass_shares):
+    ax.plot(c.fractions, c.fisher_mass_shares, "o", color="C3", label="top 0.1% / 1% / 10% (exact)")
+    for f, s in zip(c.fractions, c.fisher_mass_shares):
         ax.annotate(f"{100 * s:.3g}%", (f, s), textcoords="offset points", xytext=(6, -12), fontsize=8)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(_PERCENT)
@@ -291,9 +292,9 @@ def _abs_z_density(z: np.ndarray, n: int) -> np.ndarray:
 
 def split_half_plot(stats: ReportStatistics) -> Plot | None:
     s = stats.stability
-    if s is None or not s.module_sqrt_mass:
+    if s is None or not s.module_bound_mass:
         return None
-    pts = np.asarray(s.module_sqrt_mass, dtype=float)
+    pts = np.asarray(s.module_bound_mass, dtype=float)
     pts = pts[(pts > 0).all(1)]
     if len(pts) == 0:
         return None
@@ -306,7 +307,7 @@ def split_half_plot(stats: ReportStatistics) -> Plot | None:
     ax.set_yscale("log")
     ax.set_xlabel(f"half A ({s.prompts[0]} prompts): module sum of sqrt(F)")
     ax.set_ylabel(f"half B ({s.prompts[1]} prompts)")
-    ax.set_title(f"Spearman {s.spearman_sqrt_mass:.3g}" if s.spearman_sqrt_mass is not None else "", fontsize=10)
+    ax.set_title(f"Spearman {s.spearman_bound_mass:.3g}" if s.spearman_bound_mass is not None else "", fontsize=10)
     return Plot("stability", "Split halves", s.message, _uri(fig))
 
 

@@ -1,5 +1,6 @@
-"""The numbers a user decides from: uncertainty of S, sampling conformity, estimator stability,
-concentration of F and the bound's tightness. Pure functions of tensors and lists.
+"""The numbers a user decides from: uncertainty of S, concentration of F, the bound's tightness and
+each objective's signal. Pure functions of tensors and lists; the sampling conformity and split-half
+stability sections come from ``fisher_select.stats`` (the calibration computes them too).
 
 Every result is a dataclass written into report.json under ``statistics`` (docs/REPORT.md names
 each key); ``ReportStatistics.from_json`` reads it back. The thresholds behind each verdict are
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import typing
 from dataclasses import dataclass, field
 
@@ -18,45 +18,17 @@ import numpy as np
 import torch
 from scipy import stats as sps
 
-from fisher_select.outputs.selection import top_count
-from fisher_select.report import topk
+from fisher_select.stats import topk
+from fisher_select.stats.conformity import ScoreMeanConformity
+from fisher_select.stats.histogram import Histogram
+from fisher_select.stats.naming import layer_and_kind, module_of
+from fisher_select.stats.ranking import top_count
+from fisher_select.stats.stability import SplitHalf
 
 LEVEL = 0.95  # confidence level of every interval
 RESAMPLES = 2000  # bootstrap resamples of the prompts
 BOOTSTRAP_SEED = 0  # the bootstrap is reproducible: same terms, same interval
-Z_CUT = 3.0  # the score-mean check counts coordinates with |z| > 3
-NORMAL_SHARE = 2 * float(sps.norm.sf(Z_CUT))  # 0.27%: the share of |z| > 3 for a normal z
-CONFORMITY_RATIO = 3.0  # share of |z| > 3 above this many times the expected share: flagged
-TOP_FRACTIONS = (0.01, 0.1)  # split-half Jaccard of the top 1% and top 10% coordinate masks
 CONCENTRATION_FRACTIONS = (0.001, 0.01, 0.1)  # share of F mass in the top 0.1% / 1% / 10%
-STABLE_SPEARMAN = 0.9  # split halves agree on the module ranking at least this well: stable ...
-STABLE_JACCARD = 0.5  # ... and their top-10% masks overlap at least this much
-
-CONSISTENT = "consistent with samples from the model"
-OFF_POLICY = "far above the expected share: off-policy samples or a bug"
-STABLE = "stable"
-MORE_PROMPTS = "more prompts needed"
-
-
-def module_of(param_name: str) -> str:
-    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
-
-
-_LAYER = re.compile(r"^(?P<prefix>.*?)\.?(?P<layer>\d+)\.(?P<kind>.+)$")
-
-
-def layer_and_kind(module: str) -> tuple[int | None, str]:
-    """``model.layers.3.self_attn.q_proj`` -> (3, "self_attn.q_proj"); no layer index: (None, module)."""
-    m = _LAYER.match(module)
-    return (int(m["layer"]), m["kind"]) if m else (None, module)
-
-
-@dataclass
-class Histogram:
-    """Counts per bin: ``edges`` has one more entry than ``counts``."""
-
-    edges: list[float]
-    counts: list[float]
 
 
 # ---------------------------------------------------------------------------
@@ -134,233 +106,7 @@ def _bootstrap_mean(t: np.ndarray, level: float, resamples: int, seed: int) -> l
 
 
 # ---------------------------------------------------------------------------
-# Sampling conformity: the score-mean check
-
-
-@dataclass
-class ZSummary:
-    """|z| of the score mean over one set of coordinates."""
-
-    coordinates: int
-    share_above: float  # share with |z| > Z_CUT
-    rms_z: float
-    median_abs_z: float
-    ratio: float  # share_above / the expected share for this many samples
-
-
-@dataclass
-class ScoreMeanConformity:
-    """Do the samples follow the model? E[h] = 0 under the model, so z = mean(h) / stderr is about
-    standard normal per coordinate (t with n - 1 degrees of freedom for n samples)."""
-
-    samples: int
-    expected_share_normal: float  # 0.27%
-    expected_share: float  # share of |z| > 3 expected for n samples (t reference)
-    expected_median_abs_z: float
-    all: ZSummary
-    robust: ZSummary  # outside the embeddings and output head
-    excluded_parameters: list[str]
-    degenerate: int  # coordinates with F ~ mean^2 (samples agree to fp32 precision): no z
-    heavy_tails: bool
-    verdict: str
-    message: str
-    histogram: Histogram  # |z| of all coordinates
-    histogram_robust: Histogram
-
-
-Z_LINEAR = 240  # bins of width 0.025 on [0, 6) ...
-Z_LOG = 60  # ... then log-spaced bins from 6 to 1e6 (the last one open-ended)
-
-
-def z_edges() -> torch.Tensor:
-    """Bin edges of |z|: fine up to 6 (the median and the |z| > 3 tail), then logarithmic."""
-    return torch.cat([torch.linspace(0, 6, Z_LINEAR + 1), torch.logspace(math.log10(6), 6, Z_LOG + 1)[1:]]).double()
-
-
-def score_mean_conformity(fisher: dict[str, torch.Tensor], score_mean: dict[str, torch.Tensor], n: int,
-                          heavy_parameters: set[str]) -> ScoreMeanConformity:
-    """``fisher``: mean h^2, ``score_mean``: mean h over n samples, per parameter.
-
-    ``heavy_parameters`` (embeddings and output head) have scores made of rare-token jumps: a
-    row's h is small and of one sign on most samples and large on the few that sample its token,
-    so z there is far from normal even on-policy. The robust version leaves them out.
-    """
-    bins = Z_LINEAR + Z_LOG
-    counts = {True: torch.zeros(bins, dtype=torch.float64), False: torch.zeros(bins, dtype=torch.float64)}
-    zsq = {True: 0.0, False: 0.0}
-    degenerate = 0
-    for name, f in fisher.items():
-        heavy = name in heavy_parameters
-        c, sq, bad = _z_counts(f, score_mean[name], n)
-        counts[heavy] += c
-        zsq[heavy] += sq
-        degenerate += bad
-    return _conformity(n, z_edges(), counts, zsq, degenerate, sorted(heavy_parameters & set(fisher)))
-
-
-def _z_counts(f: torch.Tensor, m: torch.Tensor, n: int) -> tuple[torch.Tensor, float, int]:
-    """|z| counts per bin of z_edges(), the sum of z^2 and the coordinates without a z, in fp32 passes."""
-    f, m = f.detach().reshape(-1).float(), m.detach().reshape(-1).float()
-    var = f - m * m  # per-sample variance of h (divisor n)
-    ok = var > 1e-5 * f  # below: cancellation of fp32 sums (error > 0.6% of var), no z; F = 0: no z
-    z = m.abs() * math.sqrt(n) * torch.rsqrt(torch.where(ok, var, 1.0))
-    linear = (z / (6.0 / Z_LINEAR)).floor()
-    step = math.log10(1e6 / 6) / Z_LOG
-    logged = Z_LINEAR + (torch.log10(z.clamp_min(6.0) / 6.0) / step).floor()
-    idx = torch.where(z < 6.0, linear, logged).clamp(max=Z_LINEAR + Z_LOG - 1)
-    idx = torch.where(ok, idx, Z_LINEAR + Z_LOG).long()  # one overflow bin for "no z", dropped
-    counts = torch.bincount(idx, minlength=Z_LINEAR + Z_LOG + 1)[:-1].double().cpu()
-    zsq = float(torch.where(ok, z * z, 0.0).sum())  # fp32 cascade summation
-    return counts, zsq, int(torch.count_nonzero((f > 0) & ~ok))
-
-
-def _summary(counts: torch.Tensor, zsq: float, edges: torch.Tensor, expected: float) -> ZSummary:
-    total = float(counts.sum())
-    if total == 0:
-        return ZSummary(0, 0.0, math.nan, math.nan, math.nan)
-    cut = int(torch.searchsorted(edges, torch.tensor(Z_CUT, dtype=torch.float64)))
-    share = float(counts[cut:].sum()) / total
-    return ZSummary(int(total), share, math.sqrt(zsq / total), _histogram_median(counts, edges), share / expected)
-
-
-def _histogram_median(counts: torch.Tensor, edges: torch.Tensor) -> float:
-    cum = counts.cumsum(0)
-    half = float(cum[-1]) / 2
-    i = int(torch.searchsorted(cum, torch.tensor(half, dtype=torch.float64)))
-    below = float(cum[i - 1]) if i > 0 else 0.0
-    frac = (half - below) / float(counts[i]) if counts[i] > 0 else 0.0
-    return float(edges[i] + frac * (edges[i + 1] - edges[i]))
-
-
-def expected_abs_z(n: int) -> tuple[float, float]:
-    """(share of |z| > 3, median |z|) for z = sqrt(n / (n - 1)) t_{n-1}: what on-policy samples give."""
-    if n < 2:
-        return math.nan, math.nan
-    stretch = math.sqrt(n / (n - 1))
-    return 2 * float(sps.t.sf(Z_CUT / stretch, n - 1)), stretch * float(sps.t.ppf(0.75, n - 1))
-
-
-def _conformity(n, edges, counts, zsq, degenerate, excluded) -> ScoreMeanConformity:
-    share, median = expected_abs_z(n)
-    every = _summary(counts[True] + counts[False], zsq[True] + zsq[False], edges, share)
-    robust = _summary(counts[False], zsq[False], edges, share) if counts[False].sum() > 0 else every
-    flagged = robust.ratio > CONFORMITY_RATIO
-    heavy = every.ratio > CONFORMITY_RATIO and not flagged
-    verdict = OFF_POLICY if flagged else CONSISTENT
-    message = (f"{_pct(robust.share_above)} of coordinates have |z| > 3 against {_pct(share)} expected for {n} "
-               f"samples ({robust.ratio:.3g}x; normal: {_pct(NORMAL_SHARE)})")
-    if excluded:
-        message += " outside the embeddings and output head"
-    if heavy:
-        message += (f"; with them {_pct(every.share_above)} ({every.ratio:.3g}x, RMS z {every.rms_z:.3g}): their "
-                    "rare-token scores are heavy-tailed, which inflates z, so the verdict uses the robust version")
-    message += f": {verdict}" + (" (samples drawn at another temperature, truncated, or a scoring bug)"
-                                 if flagged else "")
-    return ScoreMeanConformity(n, NORMAL_SHARE, share, median, every, robust, excluded, degenerate, heavy, verdict,
-                               message, Histogram(edges.tolist(), (counts[True] + counts[False]).tolist()),
-                               Histogram(edges.tolist(), counts[False].tolist()))
-
-
-# ---------------------------------------------------------------------------
-# Estimator stability: split halves
-
-
-@dataclass
-class SplitHalf:
-    """F from two disjoint halves of the prompts (even / odd prompt index), compared."""
-
-    prompts: list[int]  # [half A, half B]
-    samples: list[int]
-    spearman_sqrt_mass: float | None  # module sums of sqrt(F): the ranking the tables use
-    spearman_mass: float | None  # module sums of F
-    top_fractions: list[float]
-    jaccard: list[float]  # of the halves' top-fraction coordinate masks, one per top fraction
-    verdict: str
-    prompts_suggested: int | None  # total prompts for halves to agree at STABLE_SPEARMAN (Spearman-Brown)
-    message: str
-    module_sqrt_mass: list[list[float]] = field(default_factory=list)  # per module: [half A, half B]
-    modules: list[str] = field(default_factory=list)
-
-
-def compare_halves(squares_a: dict[str, torch.Tensor], squares_b: dict[str, torch.Tensor], samples: list[int],
-                   prompts: list[int]) -> SplitHalf:
-    """``squares_*``: sums of h^2 over each half's samples (ranks and masks ignore the scale; the module
-    masses shown are divided by each half's samples)."""
-    modules = sorted({module_of(n) for n in squares_a})
-    scale_a, scale_b = 1 / max(1, samples[0]), 1 / max(1, samples[1])
-    sqrt_a = [v * math.sqrt(scale_a) for v in module_sums(squares_a, modules, sqrt=True)]
-    sqrt_b = [v * math.sqrt(scale_b) for v in module_sums(squares_b, modules, sqrt=True)]
-    rho = spearman(module_sums(squares_a, modules, sqrt=False), module_sums(squares_b, modules, sqrt=False))
-    jaccard = mask_jaccards(squares_a, squares_b, TOP_FRACTIONS)
-    out = SplitHalf(list(prompts), list(samples), spearman(sqrt_a, sqrt_b), rho, list(TOP_FRACTIONS), jaccard, STABLE,
-                    None, "", [[a, b] for a, b in zip(sqrt_a, sqrt_b)], modules)
-    _stability_verdict(out)
-    return out
-
-
-def module_sums(f: dict[str, torch.Tensor], modules: list[str], sqrt: bool) -> list[float]:
-    sums = dict.fromkeys(modules, 0.0)
-    for name, t in f.items():
-        t = t.detach().float()
-        # fp32 cascade summation (relative error ~1e-7): a float64 reduction costs 4x on CPU
-        sums[module_of(name)] += float((t.clamp_min(0).sqrt() if sqrt else t).sum())
-    return [sums[m] for m in modules]
-
-
-def spearman(a: list[float], b: list[float]) -> float | None:
-    if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
-        return None
-    return float(sps.spearmanr(a, b).statistic)
-
-
-def mask_jaccards(fa: dict[str, torch.Tensor], fb: dict[str, torch.Tensor], fractions) -> list[float]:
-    """Jaccard overlaps of the top-fraction coordinate masks of two Fishers over the same parameters
-    (cut at the exact k-th largest value; coordinates tied with it all join), one per fraction."""
-    ks = [top_count(f, sum(t.numel() for t in fa.values())) for f in fractions]
-    fb = {n: fb[n] for n in fa}
-    counts = topk.coarse_histogram(fa)[0], topk.coarse_histogram(fb)[0]
-    return [both / either if either else 1.0 for both, either in topk.overlaps(fa, fb, ks, counts)]
-
-
-def spearman_brown_prompts(rho: float, prompts: int, target: float = STABLE_SPEARMAN) -> int | None:
-    """Total prompts at which halves would agree at ``target``, from halves of prompts / 2 agreeing at rho.
-
-    Spearman-Brown: a half of k times the size agrees at k rho / (1 + (k - 1) rho).
-    """
-    if rho is None or rho <= 0:
-        return None
-    if rho >= target:
-        return prompts
-    k = target * (1 - rho) / (rho * (1 - target))
-    return int(math.ceil(k * prompts - 1e-9))  # 9.000000000000002 x 10 prompts is 90
-
-
-def _stability_verdict(out: SplitHalf) -> None:
-    rho, top10 = out.spearman_sqrt_mass, out.jaccard[-1]
-    total = sum(out.prompts)
-    ok = rho is not None and rho >= STABLE_SPEARMAN and top10 >= STABLE_JACCARD
-    out.verdict = STABLE if ok else MORE_PROMPTS
-    out.prompts_suggested = spearman_brown_prompts(rho, total) if rho is not None else None
-    text = (f"halves of {out.prompts[0]} and {out.prompts[1]} prompts: Spearman of module sqrt(F) masses "
-            f"{_fmt(rho)} (F masses {_fmt(out.spearman_mass)}), Jaccard of the top-1% masks {out.jaccard[0]:.3g}, "
-            f"top-10% {top10:.3g}")
-    if ok:
-        out.message = f"{text}: {STABLE}"
-    elif out.prompts_suggested is not None and out.prompts_suggested > total:
-        out.message = (f"{text}: {MORE_PROMPTS}; by Spearman-Brown about {out.prompts_suggested} prompts "
-                       f"({out.prompts_suggested - total} more) would bring the halves' module ranking to "
-                       f"{STABLE_SPEARMAN}")
-    else:
-        out.message = (f"{text}: {MORE_PROMPTS} (needs Spearman >= {STABLE_SPEARMAN} and top-10% Jaccard >= "
-                       f"{STABLE_JACCARD}; the coordinate masks converge more slowly than the module ranking)")
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.3g}%"
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3g}"
+# Spread of the module masses over scoring batches
 
 
 def module_spread(names: list[str], unit_masses: list[list[float]], unit_counts: list[int]) -> dict[str, float]:
@@ -398,7 +144,7 @@ class Concentration:
     coordinates: int
     zero_coordinates: int
     fractions: list[float]
-    mass_shares: list[float]  # share of the total F mass in the top fraction of coordinates (exact)
+    fisher_mass_shares: list[float]  # share of the total F mass in the top fraction of coordinates (exact)
     curve_fraction: list[float]  # cumulative curve (from a fine log10 histogram): fraction of coordinates ...
     curve_mass: list[float]  # ... and the share of F mass they hold
     log10_histogram: Histogram  # coordinates per log10 F bin (F > 0)

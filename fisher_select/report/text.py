@@ -121,28 +121,46 @@ def statistics_lines(report: RunReport) -> list[str]:
         lines.append(f"estimator stability: {stats.stability.message}")
     c = stats.concentration
     if c is not None:
-        parts = ", ".join(f"top {pct(f)}: {pct(s)}" for f, s in zip(c.fractions, c.mass_shares))
+        parts = ", ".join(f"top {pct(f)}: {pct(s)}" for f, s in zip(c.fractions, c.fisher_mass_shares))
         lines.append(f"concentration: share of F mass in the top coordinates: {parts}")
     return lines
 
 
-MODULE_COLUMNS = ("sqrt(F) share", "F share", "F rel. stderr", "bound mean", "bound max", "module")
+MODULE_COLUMNS = ("bound mass share", "Fisher mass share", "F mass rel. stderr", "bound mean", "bound max", "module")
 
 
 def ranked_modules(report: RunReport) -> list[ModuleEntry]:
-    """Modules by sum of sqrt(F), largest first: the ranking the tables use."""
-    return sorted(report.modules, key=lambda m: -m.sqrt_fisher_mass)
+    """Modules by bound mass (sum of sqrt(F)), largest first: the ranking every table uses."""
+    return sorted(report.modules, key=lambda m: (-m.bound_mass, m.name))
 
 
 def module_cells(m: ModuleEntry) -> list[str]:
-    return [pct(m.sqrt_mass_share), pct(m.mass_share), pct(m.fisher_mass_rel_stderr), fmt(m.bound_mean),
+    return [pct(m.bound_share), pct(m.fisher_share), pct(m.fisher_mass_rel_stderr), fmt(m.bound_mean),
             fmt(m.bound_max) if m.bound_max is not None else "n/a (S unknown)", m.name]
 
 
 def module_rows(report: RunReport, top: int) -> tuple[str, list[str]]:
-    """A fixed-width header and rows of the ``top`` modules by sum of sqrt(F)."""
-    widths = (13, 9, 13, 11, 11, 0)
+    """A fixed-width header and rows of the ``top`` modules by bound mass."""
+    widths = (16, 17, 18, 11, 11, 0)
     header = "  ".join(f"{c:<{w}}" if w else c for c, w in zip(MODULE_COLUMNS, widths))
     rows = ["  ".join(f"{c:<{w}}" if w else c for c, w in zip(module_cells(m), widths))
             for m in ranked_modules(report)[:top]]
     return header, rows
+
+
+def run_summary_lines(report: RunReport, top: int | None = 15) -> list[str]:
+    """The summary the CLI prints: caveats with the run's numbers first, then the run, its statistics,
+    the ``top`` modules by bound mass, sum of sqrt(F) (None: all) and the warnings."""
+    lines = caveat_block(report, short=True)
+    lines.append(f"run {report.run_id}  model {report.model.name}  "
+                 f"{report.num_prompts} prompts x {report.samples_per_prompt} samples, "
+                 f"truncated {report.truncation_rate:.0%}")
+    lines += statistics_lines(report)
+    shown = len(report.modules) if top is None else min(top, len(report.modules))
+    more = "" if shown == len(report.modules) else "; --all for every module"
+    lines.append(f"top {shown} of {len(report.modules)} modules by bound mass, the sum of sqrt(F) (it tracks "
+                 f"module movement; the Fisher mass, sum of F, does not){more}:")
+    header, rows = module_rows(report, shown)
+    lines += ["  " + header] + ["  " + r for r in rows]
+    lines += [f"warning: {w}" for w in report.warnings]
+    return lines

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fisher_select.report.build import module_of
+from fisher_select.stats.naming import module_of
 
 SPECTRUM_SOURCE = ("cognitivecomputations/spectrum spectrum.py (ModelModifier.calculate_snr_for_layer, "
                    "marchenko_pastur_threshold, estimate_sigma_with_full_iqr, generate_unfrozen_params_yaml), "

@@ -11,7 +11,7 @@ turned into a loss whose gradient is the negative of what calibration estimates:
 - full-vocabulary distillation (token level): loss ``+(1/B) sum_n sum_t A_t log pi(y_t|s_t)``
   (the gradient of the summed KL, descent);
 - SFT from demonstrations: loss ``-(1/B) sum_rows l(row)``, the likelihood of a minibatch of
-  demonstrations, summed over each row's tokens (not averaged: PITFALLS "Averaged losses").
+  demonstrations, summed over each row's tokens (not averaged: docs/PITFALLS.md, "Averaged losses").
 
 Weights stay in fp32 (master weights) and the model stays in eval mode, as in calibration (no
 dropout), so realized movement is comparable with the calibration-point bound.
@@ -24,20 +24,19 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from fisher_select.calibration.calibrator import eos_ids_of
 from fisher_select.calibration.objectives.base import Context, Group, Objective, ScoringRow
 from fisher_select.calibration.objectives.sft import SFTDemonstrationsObjective, demonstration_rows
 from fisher_select.calibration.prompts import PromptRecord, render_prompt
-from fisher_select.calibration.sampling import left_pad, sample_responses
+from fisher_select.calibration.sampling import eos_ids_of, pad_id_of, pad_rows, sample_responses
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.errors import FisherSelectError
-from fisher_select.outputs.masking import apply_masks
+from fisher_select.outputs.masks import apply_masks
 
 OPTIMIZERS = ("sgd", "adamw")
 
 
 @dataclass
-class TrainSettings:
+class TrainConfig:
     """One training run: optimizer, steps, batch shape and seed."""
 
     steps: int
@@ -131,8 +130,7 @@ class OnPolicyTask:
         self.objective, self.ctx, self.records, self.k, self.max_new = objective, ctx, records, k, max_new_tokens
         self.rendered = [render_prompt(ctx.tokenizer, r) for r in records]
         self.eos = eos_ids_of(ctx.model, ctx.tokenizer)
-        pad = ctx.tokenizer.pad_token_id
-        self.pad = pad if pad is not None else min(self.eos)
+        self.pad = pad_id_of(ctx.model, ctx.tokenizer)
         self.order = _Order(len(records))
         self.description = (f"on-policy {objective.kind}: fresh samples of the current policy, K = {k} per prompt, "
                             + ("loss +mean_n sum_t A_t log pi(y_t|s_t) (token level)" if objective.token_level
@@ -198,7 +196,7 @@ class DemonstrationTask:
         objective.prepare(ctx, records)  # pairs the demonstrations with the training prompts
         self.rows = demonstration_rows(ctx.tokenizer, objective.pairs, objective.append_eos)
         self.objective, self.ctx, self.k = objective, ctx, k
-        self.pad = _pad_id(ctx)
+        self.pad = pad_id_of(ctx.model, ctx.tokenizer)
         self.order = _Order(len(self.rows))
         self.description = ("SFT from demonstrations: loss -mean over a minibatch of demonstration rows of the "
                             "summed log-likelihood (prompts_per_step x samples_per_prompt rows, at most all of them)")
@@ -239,21 +237,6 @@ def make_task(objective: Objective, ctx: Context, records: list[PromptRecord], k
     return OnPolicyTask(objective, ctx, records, k, max_new_tokens)
 
 
-def _pad_id(ctx: Context) -> int:
-    pad = ctx.tokenizer.pad_token_id
-    return pad if pad is not None else min(eos_ids_of(ctx.model, ctx.tokenizer))
-
-
-def pad_rows(rows: list[ScoringRow], pad: int, device):
-    """Left-padded (B, T) ids, attention mask and response mask of prompt + response rows."""
-    ids, mask = left_pad([r.ids for r in rows], pad, device)
-    resp = torch.zeros_like(ids, dtype=torch.bool)
-    width = ids.shape[1]
-    for b, r in enumerate(rows):
-        resp[b, width - len(r.ids) + r.start :] = True
-    return ids, mask, resp
-
-
 def token_weights(rows: list[ScoringRow], weights: list[torch.Tensor], width: int, device) -> torch.Tensor:
     """(B, T) weights at each row's response tokens (rows left padded to ``width``)."""
     out = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -278,13 +261,13 @@ def backward(model, batch: Batch, pad: int, micro: int) -> float:
     return total
 
 
-def make_optimizer(params, settings: TrainSettings) -> torch.optim.Optimizer:
+def make_optimizer(params, settings: TrainConfig) -> torch.optim.Optimizer:
     if settings.optimizer == "sgd":
         return torch.optim.SGD(params, lr=settings.lr, weight_decay=settings.weight_decay)
     return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
-def train(model, task, settings: TrainSettings, *, masks: dict | None = None, progress: bool = True,
+def train(model, task, settings: TrainConfig, *, masks: dict | None = None, progress: bool = True,
           desc: str = "training", after_step=None) -> list[dict]:
     """Train ``model`` in place for ``settings.steps`` steps; one log entry per step.
 

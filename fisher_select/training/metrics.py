@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from scipy import stats
 
+from fisher_select.stats.correlation import spearman
+
 QUANTILES = (0.99, 0.9)  # "moved" = above this quantile of realized movement (AUROC)
 MOVED_Q = 0.99  # the moved set for precision / recall: the top 1% of realized movement
 TOP_K = (0.001, 0.01, 0.1)  # mask densities for precision, recall and Jaccard
@@ -121,14 +123,6 @@ def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
         return None
     u = stats.mannwhitneyu(pos, neg, alternative="two-sided", method="asymptotic", use_continuity=False).statistic
     return float(u) / (len(pos) * len(neg))
-
-
-def spearman(x, y) -> float | None:
-    """Spearman's rank correlation (None when either side is constant or too short)."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if len(x) < 3 or np.all(x == x[0]) or np.all(y == y[0]):
-        return None
-    return float(stats.spearmanr(x, y).statistic)
 
 
 def ranking_metrics(scores: torch.Tensor, realized: Realized, seed: int, fractions=()) -> tuple[dict, list[float]]:

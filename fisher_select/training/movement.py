@@ -17,7 +17,7 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def restore(model, saved: dict[str, torch.Tensor]) -> None:
+def load_snapshot(model, saved: dict[str, torch.Tensor]) -> None:
     """Write a snapshot back into the model (and drop any gradient)."""
     for name, p in model.named_parameters():
         p.copy_(saved[name].to(p.device, p.dtype))

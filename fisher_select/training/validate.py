@@ -32,24 +32,24 @@ from fisher_select.config import build_objectives, parse_recipe
 from fisher_select.engine.scoring import plan_coverage, score_sums
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint, load_model
-from fisher_select.outputs.selection import top_count, top_k_mask
-from fisher_select.report.build import module_of
-from fisher_select.rundir import Run, coordinate_bound, load_run
+from fisher_select.rundir import VALIDATION_FILE, VALIDATION_PLOTS, Run, coordinate_bound, load_run, validation_dir
+from fisher_select.stats.correlation import spearman
+from fisher_select.stats.naming import module_of
+from fisher_select.stats.ranking import global_top_masks
 from fisher_select.training import baselines, plots
-from fisher_select.training.loop import Streams, TrainSettings, backward, make_task, pad_rows, token_weights, train
+from fisher_select.training.loop import Streams, TrainConfig, backward, make_task, pad_rows, token_weights, train
 from fisher_select.training.metrics import (QUANTILES, TOP_K, Realized, Subsample, auroc, first_step_check,
-                                            moved_mask, ranking_metrics, selection_metrics, spearman)
-from fisher_select.training.movement import LazyMovement, bf16_lost, gradients, movement, restore, snapshot
+                                            moved_mask, ranking_metrics, selection_metrics)
+from fisher_select.training.movement import LazyMovement, bf16_lost, gradients, load_snapshot, movement, snapshot
 
 # Offsets of the random streams derived from the seed (each use gets its own, all reproducible).
 FIRST_STEP_STREAM, SINGLE_BATCH_STREAM, EVAL_STREAM, METRIC_STREAM, MASK_STREAM = (
     1_000_003, 1_000_033, 1_000_037, 1_000_039, 1_000_081)
 CURVE_FRACTIONS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
-JSON_FILE = "validation.json"
 
 
 @dataclass
-class ValidationOptions:
+class ValidationConfig:
     """What to measure besides the main run."""
 
     subsample: int | None = 2_000_000  # coordinates scored (None: all of them)
@@ -101,24 +101,24 @@ def reduce(tensors: dict[str, torch.Tensor], sub: Subsample, transform=None) -> 
 
 
 def validate(run, steps: int, optimizer: str = "sgd", lr: float = 1e-4, weight_decay: float = 0.0, seed: int = 0,
-             *, out=None, overwrite: bool = False, options: ValidationOptions | None = None,
+             *, out=None, overwrite: bool = False, config: ValidationConfig | None = None,
              setup: Setup | None = None, device: str = "cpu", progress: bool = True, **batch) -> ValidationResult:
     """Train from the calibration point and score the run's ranking against realized movement.
 
-    ``batch``: ``TrainSettings`` fields (prompts_per_step, samples_per_prompt, max_new_tokens,
+    ``batch``: ``TrainConfig`` fields (prompts_per_step, samples_per_prompt, max_new_tokens,
     batch_size; max_new_tokens defaults to the run's). ``setup``: the model, tokenizer, objective and
     prompts (default: loaded from the run's report). ``out``: the output directory (default
     ``RUN/validation-<optimizer>-seed<seed>``; nothing is written when the run has no directory).
     """
     run = load_run(run)
-    options = options or ValidationOptions()
+    options = config or ValidationConfig()
     batch.setdefault("max_new_tokens", run.report.max_new_tokens or 32)
-    settings = TrainSettings(steps, optimizer, lr, weight_decay, seed, **batch)
+    settings = TrainConfig(steps, optimizer, lr, weight_decay, seed, **batch)
     problems = settings.problems() + _option_problems(options)
     if problems:
         raise FisherSelectError("invalid validation settings: " + "; ".join(problems))
     if out is None and run.path is not None:
-        out = run.path / f"validation-{optimizer}-seed{seed}"
+        out = validation_dir(run.path, optimizer, seed)
     if out is not None:
         check_dir_target(Path(out), overwrite)  # refuse before minutes of training
     setup = setup or load_setup(run, device, options.eval_prompts)
@@ -128,7 +128,7 @@ def validate(run, steps: int, optimizer: str = "sgd", lr: float = 1e-4, weight_d
     return result
 
 
-def _option_problems(o: ValidationOptions) -> list[str]:
+def _option_problems(o: ValidationConfig) -> list[str]:
     out = []
     if o.subsample is not None and o.subsample < 100:
         out.append(f"subsample must be at least 100 coordinates, got {o.subsample}")
@@ -161,7 +161,7 @@ def load_setup(run: Run, device: str, eval_prompts: int) -> Setup:
 class _Validation:
     """One validation: the snapshot, the subsample, the task, and the runs' reduced results."""
 
-    def __init__(self, run: Run, setup: Setup, settings: TrainSettings, options: ValidationOptions, progress: bool):
+    def __init__(self, run: Run, setup: Setup, settings: TrainConfig, options: ValidationConfig, progress: bool):
         self.run, self.setup, self.settings, self.options, self.progress = run, setup, settings, options, progress
         self.model = setup.model
         self.ctx = Context(setup.model, setup.tokenizer, setup.device)
@@ -185,7 +185,7 @@ class _Validation:
         main = self._train(self.settings.seed, "training", record_steps=True)
         second = self._train(self.settings.seed + 1, "second seed") if self.options.second_seed else None
         masked = self._masked(before, main, second)
-        restore(self.model, self.theta0)
+        load_snapshot(self.model, self.theta0)
         report, figures = self._assemble(main, second, single, adam, first, first_rows, before, masked)
         if main["summary"]["max"] == 0:
             report["caveats"].insert(0, "no coordinate moved: the training signal was zero on every step (e.g. "
@@ -255,7 +255,7 @@ class _Validation:
 
     def _train(self, seed: int, label: str, masks: dict | None = None, record_steps: bool = False) -> dict:
         """One training run from theta_0; its log, held-out outcome and reduced movement."""
-        restore(self.model, self.theta0)
+        load_snapshot(self.model, self.theta0)
         settings = dataclasses.replace(self.settings, seed=seed)
         by_step = []  # subsampled movement after each step (record_steps): how the prediction drifts
 
@@ -272,7 +272,7 @@ class _Validation:
         size = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         reduced = reduce(delta, self.sub)
         del delta
-        restore(self.model, self.theta0)
+        load_snapshot(self.model, self.theta0)
         return {"seed": seed, "log": log, "after": after, "moved": reduced, "by_step": by_step,
                 "summary": {"share_moved": moved, "l2_norm": size, "max": float(reduced.sub.max()),
                             "bf16_lost_share": lost / moved_count if moved_count else None,
@@ -535,7 +535,7 @@ def sgd_step(model, grad: dict, lr: float, start: dict) -> dict:
             p.grad = grad[name].to(p.device, p.dtype)
     torch.optim.SGD(list(model.parameters()), lr=lr).step()
     delta = movement(model, start)
-    restore(model, start)
+    load_snapshot(model, start)
     return delta
 
 
@@ -583,28 +583,15 @@ def recovered_share(before: float, after: float, full_after: float) -> float | N
     return (after - before) / full if full != 0 else None
 
 
-def global_top_masks(scores: dict[str, torch.Tensor], density: float) -> dict[str, torch.Tensor]:
-    """Bool masks of the top ``density`` share of all coordinates by score (exact count, ties to lower index)."""
-    names = list(scores)
-    flat = torch.cat([scores[n].detach().float().reshape(-1).cpu() for n in names])  # (N,)
-    mask = top_k_mask(flat, top_count(density, flat.numel()))
-    out, start = {}, 0
-    for n in names:
-        size = scores[n].numel()
-        out[n] = mask[start : start + size].reshape(scores[n].shape)
-        start += size
-    return out
-
-
 def write_validation(out: Path, result: ValidationResult, overwrite: bool) -> Path:
     """validation.json and the plots, as one directory written atomically."""
 
     def writer(tmp: Path) -> None:
         fig = result.figures
-        plots.bound_vs_movement(tmp / "bound_vs_movement.png", fig["bound"], fig["moved"], fig["bound_label"], 0)
-        plots.overlap_curves(tmp / "precision_at_k.png", list(CURVE_FRACTIONS), fig["curves"])
-        plots.objective_curves(tmp / "objective_per_step.png", fig["logs"], fig["outcome_label"])
-        (tmp / JSON_FILE).write_text(json.dumps(result.report, indent=2, default=_json_default) + "\n")
+        plots.bound_vs_movement(tmp / VALIDATION_PLOTS["bound"], fig["bound"], fig["moved"], fig["bound_label"], 0)
+        plots.overlap_curves(tmp / VALIDATION_PLOTS["curves"], list(CURVE_FRACTIONS), fig["curves"])
+        plots.objective_curves(tmp / VALIDATION_PLOTS["objective"], fig["logs"], fig["outcome_label"])
+        (tmp / VALIDATION_FILE).write_text(json.dumps(result.report, indent=2, default=_json_default) + "\n")
 
     return write_dir(out, writer, overwrite=overwrite)
 
@@ -615,7 +602,7 @@ def _json_default(obj):
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def summary_lines(report: dict) -> list[str]:
+def validation_summary_lines(report: dict) -> list[str]:
     """The CLI's table: each ranking's AUROC (q = 0.99), precision@1% and module Spearman."""
     rows = [("fisher (F / bound)", report)] + [(k, v) for k, v in report["baselines"].items()]
     if "auroc" in report.get("adam_aware", {}):

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fisher_select.calibration.objectives.registry import register_objective
-from fisher_select.validation import build_dataclass
+from fisher_select.fields import build_dataclass
 from fisher_select.errors import FisherSelectError
 from fisher_select.calibration.objectives.teacher_based import TeacherObjective
 from fisher_select.calibration.teachers import Teacher, TeacherConfig, token_tables
-from fisher_select.calibration.objectives.base import (Context, Group, GroupSignal, Objective, Statistics, leave_one_out,
+from fisher_select.calibration.objectives.base import (Context, Group, GroupSignal, Statistics, leave_one_out,
                                                        unbiased_variance)
 
 _INFINITE_WARNING = (

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fisher_select.calibration.objectives.registry import register_objective
-from fisher_select.validation import build_dataclass
+from fisher_select.fields import build_dataclass
 from fisher_select.errors import FisherSelectError
 from fisher_select.calibration.prompts import PromptRecord, load_prompts, render_prompt
 from fisher_select.calibration.objectives.teacher_based import TeacherObjective

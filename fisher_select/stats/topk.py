@@ -5,8 +5,8 @@ A non-negative float32 orders like its int32 bit pattern, so the top 16 bits of 
 model in one ``bincount`` pass per tensor, on the tensor's own device, with no copy, no sort and no
 float64 copy of the data. The exact k-th largest value is found by a second histogram of the
 low 16 bits inside the boundary bin only. This is what keeps the report's statistics at a few
-seconds for 135M coordinates (``outputs.selection``'s exact radix select with canonical
-tie-breaking is for masks users train with; the report only needs overlaps and shares).
+seconds for 135M coordinates (``stats.ranking``'s exact radix select with canonical tie-breaking
+is for masks users train with; the report only needs overlaps and shares).
 """
 
 from __future__ import annotations
@@ -76,13 +76,6 @@ def threshold_keys(tensors: dict[str, torch.Tensor], counts: torch.Tensor, ks: l
     positive = [k for k in ks if k > 0]
     cuts = iter([_cut(*found) for found in _boundaries(tensors, counts, positive)] if positive else [])
     return [next(cuts) if k > 0 else NOTHING for k in ks]
-
-
-def top_masks(tensors: dict[str, torch.Tensor], k: int, counts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Bool masks (flat) of the k largest values over all tensors (``counts``: their coarse histogram)."""
-    counts = coarse_histogram(tensors)[0] if counts is None else counts
-    cut = threshold_keys(tensors, counts, [k])[0]
-    return {n: keys(t) >= cut for n, t in tensors.items()}
 
 
 def top_masses(tensors: dict[str, torch.Tensor], ks: list[int], counts: torch.Tensor,

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 from fisher_select.errors import FisherSelectError
-
-PATTERN = "validation-*/validation.json"
+from fisher_select.rundir import VALIDATION_GLOB
 NO_PREDICTION = 0.6  # an AUROC below this: the ranking says (almost) nothing about which coordinates moved
 BASELINES = (("random", "random"), ("magnitude", "abs(theta)"), ("single_batch_gradient", "1-batch abs(grad)"),
              ("second_seed", "other seed"), ("spectrum_snr", "Spectrum SNR"), ("kappa", "KappaTune"))
@@ -27,11 +26,11 @@ def load_validations(run_dir) -> list[tuple[str, dict]]:
     if run_dir is None:
         return []
     out = []
-    for path in sorted(Path(run_dir).glob(PATTERN)):
+    for path in sorted(Path(run_dir).glob(VALIDATION_GLOB)):
         try:
             out.append((path.parent.name, json.loads(path.read_text())))
         except (OSError, ValueError) as err:
-            raise FisherSelectError(f"{path} is unreadable ({err}); delete it or rerun validate with --overwrite")
+            raise FisherSelectError(f"{path} is unreadable ({err}); delete it or rerun validate with --overwrite") from None
     return out
 
 

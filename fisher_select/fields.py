@@ -86,14 +86,6 @@ def field_default(f: dataclasses.Field):
     return dataclasses.MISSING
 
 
-def same_field(cls: type, name: str) -> dataclasses.Field:
-    """A new field with ``cls.name``'s default and metadata: one field shared by two dataclasses."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if f.default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
-    return dataclasses.field(default=f.default, metadata=f.metadata)
-
-
 def scalar_type(annotation):
     """int, float, str or bool (also inside ``X | None``); None for mappings, lists and the rest."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]

@@ -1,0 +1,390 @@
+"""LoRA from a run: target modules and per-module ranks, as PEFT's own ``LoraConfig`` fields.
+
+``lora_hints(run, ...)`` chooses targets (``outputs.targets``: Linear-like modules by decreasing
+module mass, the first ``top_n`` or the fewest covering ``coverage`` of the eligible mass) and
+splits a rank budget in proportion to the same mass. The mass is the bound mass (sum of sqrt(F))
+by default, the Fisher mass with ``ranking="fisher_mass"``; both are recorded per target.
+
+The result is a typed ``LoraHints``: PEFT's fields (``target_modules``, ``r``, ``lora_alpha``,
+``rank_pattern``, ``alpha_pattern``, ``layers_to_transform``, ``fan_in_fan_out``, ``task_type``) and
+the provenance PEFT has no field for (run id, model fingerprint, selection, per-target masses).
+``save_pretrained(dir)`` writes ``adapter_config.json`` (PEFT's fields only, so
+``LoraConfig.from_pretrained(dir)`` loads it without an unknown-key warning) and
+``fisher_select_provenance.json`` beside it; ``LoraHints.from_pretrained(dir, model)`` reads both
+and checks the model.
+
+``rank_pattern`` / ``alpha_pattern`` keys are ``re.escape(full name)``. PEFT (0.21) looks a
+module's key up with ``re.match(rf"(.*\\.)?({key})$", module_name)`` (``get_pattern_key``), so an
+escaped full name matches exactly the modules the same ``target_modules`` entry matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import peft  # the PEFT library
+
+from fisher_select.atomic import check_dir_target, write_dir
+from fisher_select.caveats import MASK_CAVEAT as CAVEAT
+from fisher_select.errors import FisherSelectError
+from fisher_select.fields import build_dataclass
+from fisher_select.models import check_fingerprint
+from fisher_select.outputs import targets as tg
+from fisher_select.rundir import (LORA_CONFIG_FILE, LORA_PROVENANCE_FILE, LORA_PROVENANCE_FORMAT, Run, load_run,
+                                  read_json)
+from fisher_select.stats.naming import module_of
+
+
+DEFAULT_COVERAGE = 0.9
+
+
+@dataclass
+class LoraHintConfig:
+    """How LoRA targets are chosen and a rank budget is split among them."""
+
+    coverage: float | None = field(default=None, metadata={
+        "help": "the fewest modules holding this fraction of the eligible modules' mass (by --ranking); "
+                f"default {DEFAULT_COVERAGE} when top_n is not given"})
+    top_n: int | None = field(default=None, metadata={"help": "the N modules with the most mass (by --ranking)"})
+    ranking: str = field(default=tg.DEFAULT_RANKING, metadata={
+        "help": "module mass that ranks targets and splits ranks: bound_mass = sum of sqrt(F) (tracks module "
+                "movement), fisher_mass = sum of F", "choices": tg.RANKINGS})
+    mean_rank: int = field(default=8, metadata={
+        "help": "rank per target when no total_rank is given (total_rank = mean_rank * targets)", "min": 1})
+    total_rank: int | None = field(default=None, metadata={
+        "help": "sum of all ranks, split in proportion to the ranking mass (default mean_rank per target)", "min": 1})
+    rank_step: int = field(default=4, metadata={"help": "ranks are multiples of this step", "min": 1})
+    min_rank: int | None = field(default=None, metadata={"help": "smallest rank (default the rank step)", "min": 1})
+    max_rank: int | None = field(default=None, metadata={
+        "help": "largest rank (default min(out, in) per module)", "min": 1})
+    alpha_ratio: float = field(default=2.0, metadata={"help": "lora_alpha = alpha_ratio * r for every module"})
+
+    @classmethod
+    def with_fields(cls, config: "LoraHintConfig | None", fields: dict) -> "LoraHintConfig":
+        """``config`` with ``fields`` replaced, every field checked (one error lists every problem)."""
+        base = config if config is not None else cls()
+        data = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)} | fields
+        errors: list[str] = []
+        built = build_dataclass(cls, data, "", errors)
+        if errors:
+            raise FisherSelectError("invalid LoRA hint settings: " + "; ".join(errors))
+        return built
+
+
+# PEFT's LoraConfig fields a hint sets (everything else keeps PEFT's default).
+PEFT_FIELDS = ("task_type", "target_modules", "r", "lora_alpha", "rank_pattern", "alpha_pattern",
+               "layers_to_transform", "fan_in_fan_out")
+
+
+@dataclass
+class LoraHints:
+    """A LoRA configuration chosen from a run: PEFT's fields plus where they came from."""
+
+    target_modules: list[str]  # full module names, by decreasing ranking mass
+    r: int  # the most common rank (PEFT's bookkeeping; every target is in rank_pattern)
+    lora_alpha: float
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    layers_to_transform: list[int] | None = None
+    fan_in_fan_out: bool = False  # GPT-2 style Conv1D weights
+    task_type: str | None = "CAUSAL_LM"
+    provenance: dict = field(default_factory=dict)  # run id, model, caveats, selection, ranks, per-target rows
+
+    @property
+    def targets(self) -> list[dict]:
+        """Per target: name, bound and Fisher mass with their shares, rank, alpha."""
+        return self.provenance.get("targets", [])
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        return {t["name"]: t["rank"] for t in self.targets}
+
+    def peft_config(self) -> "peft.LoraConfig":
+        """The ``peft.LoraConfig`` (PEFT's own class) holding these fields."""
+        return peft.LoraConfig(**{k: getattr(self, k) for k in PEFT_FIELDS})
+
+    def adapter_config(self) -> dict:
+        """The ``adapter_config.json`` dict: PEFT's LoraConfig fields, nothing else."""
+        fields = self.peft_config().to_dict()
+        for key, value in fields.items():
+            if isinstance(value, (set, frozenset)):
+                fields[key] = sorted(value)
+        fields["peft_type"] = peft.PeftType.LORA.value
+        fields["target_modules"] = list(self.target_modules)  # keep the ranking's order
+        return fields
+
+    def save_pretrained(self, out: "str | os.PathLike", *, overwrite: bool = False) -> Path:
+        """Write directory ``out`` (adapter_config.json + fisher_select_provenance.json), atomically.
+
+        ``peft.LoraConfig.from_pretrained(out)`` reads it as any adapter directory (no weights
+        inside: PEFT initialises the adapters); ``LoraHints.from_pretrained(out, model)`` also
+        checks the model.
+        """
+        out = Path(out)
+        check_lora_out(out, overwrite)
+        config = json.dumps(self.adapter_config(), indent=2) + "\n"
+        provenance = json.dumps({"format": LORA_PROVENANCE_FORMAT, "adapter_config": LORA_CONFIG_FILE,
+                                 **self.provenance}, indent=2) + "\n"
+
+        def write(tmp: Path) -> None:
+            (tmp / LORA_CONFIG_FILE).write_text(config)
+            (tmp / LORA_PROVENANCE_FILE).write_text(provenance)
+
+        return write_dir(out, write, overwrite=overwrite)
+
+    @classmethod
+    def from_pretrained(cls, path: "str | os.PathLike", model=None) -> "LoraHints":
+        """Read a directory written by ``save_pretrained`` (or its adapter_config.json).
+
+        With ``model``, refuses any model other than the calibrated one. Refuses a sidecar that
+        names other targets than the config beside it. A single JSON file with an embedded
+        ``fisher_select`` entry (release 0.1.0's ``lora --out FILE``) is still read.
+        """
+        config_file, fields, meta = _read_hint_files(Path(path))
+        if model is not None:
+            check_fingerprint(meta["model"].get("fingerprint"), model, f"LoRA config {config_file}")
+        meta = {k: v for k, v in meta.items() if k not in ("format", "adapter_config")}
+        return cls(**{k: fields.get(k) for k in PEFT_FIELDS if k in fields}, provenance=meta)
+
+
+def _read_hint_files(path: Path) -> tuple[Path, dict, dict]:
+    config_file = path / LORA_CONFIG_FILE if path.is_dir() else path
+    if not config_file.is_file():
+        raise FisherSelectError(f"LoRA config {config_file} does not exist; pass the --out directory of "
+                                "`fisher-select lora` / `export --format peft`")
+    fields = read_json(config_file)
+    meta = fields.pop("fisher_select", None)  # 0.1.0's single file
+    sidecar = config_file.with_name(LORA_PROVENANCE_FILE)
+    if meta is None and sidecar.is_file():
+        meta = read_json(sidecar)
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise FisherSelectError(
+            f"{config_file} has no {LORA_PROVENANCE_FILE} beside it; it was not written by fisher-select "
+            "(use peft.LoraConfig.from_pretrained for a foreign adapter config)")
+    names = [t["name"] for t in meta.get("targets", [])]
+    if names and sorted(names) != sorted(fields.get("target_modules") or []):
+        raise FisherSelectError(
+            f"{sidecar} lists other targets than {config_file}; the config was edited or the files mixed up: "
+            "write the hint again with `fisher-select lora ... --overwrite`")
+    return config_file, fields, meta
+
+
+def load_lora_config(path: "str | os.PathLike", model) -> "peft.LoraConfig":
+    """The ``peft.LoraConfig`` of a hint directory, after checking that ``model`` is the calibrated one."""
+    config_file, fields, meta = _read_hint_files(Path(path))
+    check_fingerprint(meta["model"].get("fingerprint"), model, f"LoRA config {config_file}")
+    return peft.LoraConfig.from_peft_type(**fields)
+
+
+def check_lora_out(out: "str | os.PathLike", overwrite: bool) -> None:
+    """Refuse, before any work, an ``--out`` that is a .json file name or an existing directory."""
+    out = Path(out)
+    if out.suffix == ".json":
+        raise FisherSelectError(
+            f"--out {out} names a .json file, but a LoRA hint is a directory ({LORA_CONFIG_FILE} + "
+            f"{LORA_PROVENANCE_FILE}, what LoraConfig.from_pretrained reads); pass a directory such as "
+            f"{out.with_suffix('')}")
+    check_dir_target(out, overwrite)
+
+
+# ---------------------------------------------------------------------------
+# Choosing targets and ranks
+
+
+def pattern_key(name: str) -> str:
+    """rank_pattern / alpha_pattern key for one full module name (see module docstring)."""
+    return re.escape(name)
+
+
+def lora_hints(run: "Run | str | os.PathLike", config: LoraHintConfig | None = None, *,
+               layers_to_transform: list[int] | None = None, modules: list[str] | None = None,
+               module_types: tuple[str, ...] | None = None, task_type: str | None = "CAUSAL_LM",
+               model=None, **fields) -> LoraHints:
+    """LoRA targets (full names) and per-module ranks from a run's module masses.
+
+    ``config`` (``LoraHintConfig``), or its fields as keyword arguments, says how: targets are the
+    eligible modules by decreasing ``ranking`` mass, the first ``top_n`` or the fewest covering
+    ``coverage`` (default ``DEFAULT_COVERAGE``); ``total_rank`` (default ``mean_rank`` per target) is split in
+    proportion to the same mass, each rank in [``min_rank``, ``max_rank``], a multiple of
+    ``rank_step``, summing to ``total_rank`` rounded to a multiple of the step (less only when
+    every module is at its cap); ``lora_alpha = alpha_ratio * r`` per module.
+    ``layers_to_transform``, ``modules`` (full names or suffixes) and ``module_types`` (class names;
+    None: every Linear-like module) restrict the candidates. ``model``, when given, is checked
+    against the run's fingerprint and supplies module classes.
+    """
+    run = load_run(run)
+    cfg = LoraHintConfig.with_fields(config, fields)
+    step, min_rank = _check_ranks(cfg)
+    layers = sorted({int(i) for i in layers_to_transform}) if layers_to_transform is not None else None
+    found = tg.eligible(run, module_types=module_types, model=model, layers=layers, modules=modules)
+    coverage = DEFAULT_COVERAGE if cfg.coverage is None and cfg.top_n is None else cfg.coverage
+    chosen, covered = tg.choose(found, coverage, cfg.top_n, cfg.ranking)
+    tg.check_unambiguous(chosen, run, model)
+    requested = cfg.mean_rank * len(chosen) if cfg.total_rank is None else int(cfg.total_rank)
+    ranks = allocate_ranks([t.mass(cfg.ranking) for t in chosen], [t.shape for t in chosen],
+                           [t.name for t in chosen], requested, step, min_rank, cfg.max_rank)
+    alphas = [_alpha(cfg.alpha_ratio, r) for r in ranks]
+    common = max(Counter(ranks).items(), key=lambda kv: (kv[1], kv[0]))[0]
+    selection = {"coverage": coverage, "top_n": cfg.top_n, "ranking": cfg.ranking, "covered": covered,
+                 "layers_to_transform": layers, "modules": modules}
+    provenance = {**run.provenance(CAVEAT), "selection": selection, "total_rank": sum(ranks),
+                  "requested_total_rank": requested, "rank_step": step, "alpha_ratio": cfg.alpha_ratio,
+                  "targets": _target_rows(chosen, ranks, alphas, found)}
+    return LoraHints(target_modules=[t.name for t in chosen], r=common, lora_alpha=_alpha(cfg.alpha_ratio, common),
+                     rank_pattern={pattern_key(t.name): r for t, r in zip(chosen, ranks)},
+                     alpha_pattern={pattern_key(t.name): a for t, a in zip(chosen, alphas)},
+                     layers_to_transform=layers, fan_in_fan_out=any(t.kind == "Conv1D" for t in chosen),
+                     task_type=task_type, provenance=provenance)
+
+
+def lora_config(run: "Run | str | os.PathLike", config: LoraHintConfig | None = None, **kwargs) -> "peft.LoraConfig":
+    """``peft.LoraConfig`` built from ``lora_hints(run, config, **kwargs)``."""
+    return lora_hints(run, config, **kwargs).peft_config()
+
+
+def _target_rows(chosen: list[tg.Target], ranks, alphas, found: list[tg.Target]) -> list[dict]:
+    bound_total = sum(t.bound_mass for t in found) or 1.0
+    fisher_total = sum(t.fisher_mass for t in found) or 1.0
+    return [{"name": t.name, "bound_mass": t.bound_mass, "bound_share": t.bound_mass / bound_total,
+             "fisher_mass": t.fisher_mass, "fisher_share": t.fisher_mass / fisher_total, "rank": r, "alpha": a}
+            for t, r, a in zip(chosen, ranks, alphas)]
+
+
+def _check_ranks(cfg: LoraHintConfig) -> tuple[int, int]:
+    min_rank = cfg.rank_step if cfg.min_rank is None else cfg.min_rank
+    if cfg.max_rank is not None and cfg.max_rank < min_rank:
+        raise FisherSelectError(f"rank bounds min {min_rank} / max {cfg.max_rank} are invalid; need min <= max")
+    if not cfg.alpha_ratio > 0:
+        raise FisherSelectError(f"--alpha-ratio {cfg.alpha_ratio} must be positive")
+    return int(cfg.rank_step), int(min_rank)
+
+
+def _alpha(ratio: float, r: int):
+    alpha = ratio * r
+    return int(alpha) if float(alpha).is_integer() else alpha
+
+
+def allocate_ranks(masses: list[float], shapes: list[tuple[int, int]], names: list[str], total_rank: int,
+                   step: int, min_rank: int, max_rank: int | None) -> list[int]:
+    """Ranks in proportion to mass, clamped to [min_rank, cap], multiples of ``step``.
+
+    Works in units of ``step``: U = total_rank / step rounded to nearest. The continuous
+    allocation ``clamp(lam * mass, lo, hi)`` summing to U (lam by bisection) is floored, and the
+    units still missing go to the largest remainders. The sum is exactly ``U * step`` unless
+    every module is at its cap. A module's cap is ``max_rank`` and never above min(out, in).
+    """
+    lo = math.ceil(min_rank / step)
+    hi = [math.floor(min(min(shape), max_rank or math.inf) / step) for shape in shapes]
+    for name, shape, h in zip(names, shapes, hi):
+        if h < lo:
+            raise FisherSelectError(f"module {name} {shape} cannot take rank {lo * step} (cap {h * step}); "
+                                    "lower --min-rank / --rank-step or raise --max-rank")
+    units = math.floor(total_rank / step + 0.5)
+    if len(masses) * lo > units:
+        raise FisherSelectError(
+            f"total rank {total_rank} cannot give {len(masses)} modules rank >= {lo * step} each; "
+            f"pass --total-rank >= {len(masses) * lo * step} or target fewer modules")
+    if sum(hi) <= units:
+        return [h * step for h in hi]
+    shares = _water_fill(masses, lo, hi, units)
+    alloc = [math.floor(s) for s in shares]
+    # Missing units to the largest fractional parts (then larger mass, then earlier).
+    order = sorted(range(len(masses)), key=lambda i: (alloc[i] - shares[i], -masses[i], i))
+    missing = units - sum(alloc)
+    while missing > 0:  # terminates: sum(hi) > units, so some module always has room
+        for i in order:
+            if missing > 0 and alloc[i] < hi[i]:
+                alloc[i] += 1
+                missing -= 1
+    return [a * step for a in alloc]
+
+
+def _water_fill(masses, lo, hi, units) -> list[float]:
+    """``clamp(lam * m_i, lo, hi_i)`` with the largest lam whose sum stays <= units."""
+
+    def total(lam):
+        return sum(min(max(lam * m, lo), h) for m, h in zip(masses, hi))
+
+    low, high = 0.0, max(h / m for m, h in zip(masses, hi) if m > 0) if any(masses) else 0.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if total(mid) <= units else (low, mid)
+    return [min(max(low * m, lo), h) for m, h in zip(masses, hi)]
+
+
+# ---------------------------------------------------------------------------
+# Checked against PEFT's own matcher (`fisher-select lora`, `export --format peft`)
+
+
+@dataclass
+class LoraExport:
+    """A checked LoRA hint and what its adapters train."""
+
+    hints: LoraHints
+    trainable: int  # LoRA parameters: sum of r * (in + out) over the targets
+    numel: int  # parameters of the base model (the run's)
+    matched: dict[str, list[str]]  # target -> module names PEFT's own matcher adapts
+
+
+def lora_export(run: "Run | str | os.PathLike", config: LoraHintConfig | None = None, *, model=None,
+                **kwargs) -> LoraExport:
+    """``lora_hints(run, config, **kwargs)``, checked with PEFT's matcher against the run's (and model's) modules."""
+    run = load_run(run)
+    hints = lora_hints(run, config, model=model, **kwargs)
+    peft_config = hints.peft_config()
+    names = sorted({module_of(n) for n in run.fisher} | {e.name for e in run.report.modules})
+    matched = check_lora_targets(peft_config, names, f"the modules of run {run.run_id}")
+    if model is not None:
+        matched = check_lora_targets(peft_config, [n for n, _ in model.named_modules()],
+                                     f"the model's named_modules() ({type(model).__name__})")
+    trainable = sum(r * sum(run.fisher[f"{name}.weight"].shape) for name, r in hints.ranks.items())
+    return LoraExport(hints=hints, trainable=trainable, numel=sum(t.numel() for t in run.fisher.values()),
+                      matched=matched)
+
+
+def check_lora_targets(config, names: list[str], where: str) -> dict[str, list[str]]:
+    """Target -> module names PEFT adapts (``check_target_module_exists``); refuses unmatched targets.
+
+    Also refuses a ``rank_pattern`` / ``alpha_pattern`` key that PEFT would give no adapted module.
+    """
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils.other import get_pattern_key
+
+    adapted = [n for n in names if check_target_module_exists(config, n)]
+    matched = {t: [n for n in adapted if n == t or n.endswith("." + t)] for t in list(config.target_modules)}
+    refuse_unmatched([t for t, hits in matched.items() if not hits], where, "LoRA target")
+    for patterns, what in ((config.rank_pattern, "rank_pattern"), (config.alpha_pattern, "alpha_pattern")):
+        used = {get_pattern_key(list(patterns), n) for n in adapted}
+        refuse_unmatched([k for k in patterns if k not in used], where, f"{what} key")
+    return matched
+
+
+_SHOWN = 5  # names listed in an error before "... and N more"
+
+
+def refuse_unmatched(missing: list[str], where: str, what: str) -> None:
+    """One error for every pattern / target that matches nothing (the commonest complaint of both tools)."""
+    if not missing:
+        return
+    shown = ", ".join(missing[:_SHOWN]) + (f" ... and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else "")
+    raise FisherSelectError(
+        f"{len(missing)} {what}(s) match nothing in {where}: {shown}; the run and the model differ "
+        "(recalibrate on this model, or export for the model the run was computed on)")
+
+
+def trainable_lora_parameters(model) -> int:
+    """Trainable parameters of a PEFT-adapted model (tied ones once): what the adapters cost."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+

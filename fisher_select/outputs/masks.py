@@ -1,0 +1,528 @@
+"""Coordinate masks from a run: choose them, store them, and train with them enforced (dense).
+
+``select_masks`` applies exactly one rule to a run's per-coordinate values:
+
+- ``top=F``: the ``k = max(1, floor(F * N + 1/2))`` coordinates with the largest bound, N = number
+  of coordinates (or of units, see ``structured``). Exactly k, also when values tie. The bound
+  ``sqrt(S) * sqrt(F_i)`` is increasing in F_i, so coordinates are ranked by F itself: the same
+  order without the rounding of the product, and still defined when S is 0 or unknown.
+- ``fisher_mass=Q``: the smallest set of coordinates whose **Fisher mass** ``sum F_i`` reaches
+  ``Q`` times the total: coordinates in decreasing F until the running sum reaches ``Q * total``.
+- ``bound_mass=Q``: the same with the **bound mass** ``sum sqrt(F_i)`` (the bounds' sum, up to the
+  objective's constant ``sqrt(S)``). F is dominated by a few huge coordinates, so Q of the Fisher
+  mass is far fewer coordinates than Q of the bound mass.
+- ``threshold=TAU``: the coordinates whose bound ``sqrt(F_i * S)`` exceeds TAU, i.e. those *not*
+  guaranteed ``|g_i| <= TAU``. Needs the objective's signal scale S.
+
+Ties are broken deterministically: among equal values, the coordinate that comes first in
+*canonical order* wins: parameters sorted by name, then row-major (flat) index inside each.
+
+``per_module=True`` applies the budget (top / fisher_mass / bound_mass) within each parameter tensor instead of over
+the whole model. ``structured="rows"|"columns"`` makes whole rows / columns of 2-D weights the
+unit: a unit's value is its summed Fisher ``F_u`` and its bound ``sqrt(S * F_u)`` bounds the
+Euclidean norm of that row's (column's) expected gradient (Cauchy-Schwarz per coordinate, summed).
+Parameters that are not 2-D (norm weights, biases) fall back to single coordinates as units, and
+``top`` then counts units, not coordinates.
+
+The selection never sorts the model: ``stats.ranking``'s exact radix select finds the boundary
+value in a few histogram passes.
+
+**Masked full fine-tuning** (dense): coordinates outside the mask never move.
+
+``apply_masks(model, masks)`` enforces a mask (True = may move) three ways:
+
+1. A parameter with no selected coordinate is frozen (``requires_grad=False``, ``.grad`` cleared):
+   call it before building the optimizer, which then never sees the parameter.
+2. A partly selected parameter gets its gradient zeroed at masked coordinates right after each
+   accumulation (``register_post_accumulate_grad_hook``), so gradient clipping and logging see
+   the masked norm.
+3. Zero gradients are not enough: AdamW's decoupled weight decay ``p -= lr * wd * p`` moves every
+   coordinate, and momentum carried from earlier steps moves coordinates with zero gradient. So
+   the handle keeps a copy of the masked values of each partly selected parameter and writes it
+   back after every optimizer step (an optimizer step post-hook), leaving them bit-identical.
+
+By default the restore hook is global (``torch.optim`` fires it after the step of *any*
+optimizer, including one created later, e.g. by ``Trainer``); restoring is idempotent, so
+steps of unrelated optimizers only cost a copy. Pass ``optimizer=`` to scope it to one.
+All state lives in the returned ``MaskHandle``; ``handle.remove()`` undoes hooks and freezing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from transformers import TrainerCallback
+
+from fisher_select.atomic import refuse_existing, write_file
+from fisher_select.caveats import MASK_CAVEAT as CAVEAT
+from fisher_select.errors import FisherSelectError
+from fisher_select.models import check_fingerprint
+from fisher_select.rundir import MASK_FORMAT, Run, load_run, save_tensors, sidecar_path
+from fisher_select.stats.naming import module_of
+from fisher_select.stats.ranking import nonnegative, top_count, top_units
+
+META_KEY = "fisher_select"
+STRUCTURES = ("rows", "columns")
+
+
+@dataclass
+class MaskSet:
+    """Boolean masks (True = selected: likely to move) plus what produced them."""
+
+    masks: dict[str, torch.Tensor]  # parameter name -> bool tensor of the parameter's shape
+    meta: dict  # run id, model fingerprint, rule, densities, caveat (the JSON sidecar)
+
+    @property
+    def selected(self) -> int:
+        return self.meta["selected"]
+
+    @property
+    def numel(self) -> int:
+        return self.meta["numel"]
+
+    @property
+    def density(self) -> float:
+        return self.meta["density"]
+
+
+# ---------------------------------------------------------------------------
+# Public entry point
+
+
+def select_masks(
+    run: "Run | str | os.PathLike",
+    *,
+    top: float | None = None,
+    fisher_mass: float | None = None,
+    bound_mass: float | None = None,
+    threshold: float | None = None,
+    per_module: bool = False,
+    structured: str | None = None,
+    objective: str | None = None,
+) -> MaskSet:
+    """Select coordinates of ``run`` by exactly one of ``top``, ``fisher_mass``, ``bound_mass``, ``threshold``.
+
+    See the module docstring for the rules, tie-breaking and ``structured`` units. Raises
+    ``FisherSelectError`` for a missing/duplicate rule, a value out of range, a threshold
+    without a known signal scale, or non-finite Fisher values.
+    """
+    run = load_run(run)
+    rule, value = _check_rule(top, fisher_mass, bound_mass, threshold)
+    if structured not in (None, *STRUCTURES):
+        raise FisherSelectError(
+            f"unknown structure {structured!r}; pass structured='rows' or 'columns' (or none)"
+        )
+    if per_module and rule == "threshold":
+        raise FisherSelectError(
+            "--per-module has no meaning for --threshold (it is already per coordinate); drop one"
+        )
+    scale = run.signal_scale_of(objective)
+    if rule == "threshold" and scale is None:
+        raise FisherSelectError(
+            f"--threshold needs the objective's signal scale S, which run {run.run_id} does not "
+            "know; use --top, --fisher-mass or --bound-mass (they only need the ranking), or calibrate with a known S"
+        )
+    warnings = _degenerate_scale(run, rule, scale, objective)
+    units = _unit_values(run, rule, structured, scale, objective)
+    chosen = _choose_units(units, rule, value, per_module)
+    masks = {name: _expand(chosen[name], run.fisher[name], structured) for name in units}
+    meta = _meta(run, masks, rule, value, per_module, structured, objective, scale)
+    meta["warnings"] = warnings
+    return MaskSet(masks=masks, meta=meta)
+
+
+def _degenerate_scale(run, rule: str, scale: float | None, objective: str | None) -> list[str]:
+    """S = 0: every bound is 0. A threshold would select nothing; a ranking falls back to F alone."""
+    if scale != 0.0:
+        return []
+    name = run.objective(objective).name
+    why = (f"objective {name!r} of run {run.run_id} has signal scale S = 0: no sampled response carried "
+           "signal (e.g. every reward of a prompt was equal), so every bound sqrt(F S) is 0")
+    if rule == "threshold":
+        raise FisherSelectError(f"{why} and --threshold would select nothing; calibrate with prompts whose "
+                                "rewards vary (or more samples per prompt), or use --top / --fisher-mass / --bound-mass, which rank by F")
+    return [f"{why}; --{_flag(rule)} ranks by F alone, which says where the model's score is large, not where this "
+            "objective pushes: calibrate with prompts whose rewards vary for a meaningful selection"]
+
+
+RULES = ("top", "fisher_mass", "bound_mass", "threshold")
+BUDGETS = ("fisher_mass", "bound_mass")  # rules that accumulate a mass rather than count coordinates
+
+
+def _flag(rule: str) -> str:
+    return rule.replace("_", "-")
+
+
+def _check_rule(top, fisher_mass, bound_mass, threshold) -> tuple[str, float]:
+    given = {k: v for k, v in zip(RULES, (top, fisher_mass, bound_mass, threshold)) if v is not None}
+    if len(given) != 1:
+        raise FisherSelectError(
+            "pass exactly one of --top, --fisher-mass, --bound-mass, --threshold "
+            f"(got {', '.join('--' + _flag(k) for k in given) or 'none'})"
+        )
+    (rule, value), = given.items()
+    value = float(value)
+    if rule != "threshold" and not 0.0 < value <= 1.0:
+        raise FisherSelectError(
+            f"--{_flag(rule)} {value} is outside (0, 1]; pass a fraction such as 0.05"
+        )
+    if rule == "threshold" and not (math.isfinite(value) and value >= 0.0):
+        raise FisherSelectError(f"--threshold {value} must be a finite number >= 0")
+    return rule, value
+
+
+# ---------------------------------------------------------------------------
+# Units and their values
+
+
+def _unit_values(run, rule, structured, scale, objective) -> dict[str, torch.Tensor]:
+    """Per parameter, a 1-D tensor of unit values, non-negative and finite.
+
+    Unstructured: one unit per coordinate; the bound (fp32, from ``run.bound``) for threshold,
+    sqrt(F) for bound_mass, F for top and fisher_mass. Structured: summed F per row/column (fp64)
+    for top and fisher_mass, its square root for bound_mass, the unit bound ``sqrt(S * F_u)`` for
+    threshold.
+    """
+    for name, f in run.fisher_for(objective).items():
+        if not torch.isfinite(f).all():
+            raise FisherSelectError(
+                f"run {run.run_id}: Fisher of {name} holds NaN/inf values; recalibrate this run"
+            )
+    if structured is None:
+        source = run.bound(objective) if rule == "threshold" else run.fisher_for(objective)
+        units = {name: nonnegative(t.detach().float().reshape(-1)) for name, t in source.items()}
+        return {name: u.sqrt() for name, u in units.items()} if rule == "bound_mass" else units
+    units = {name: _unit_sums(f, structured) for name, f in run.fisher_for(objective).items()}
+    if rule in ("threshold", "bound_mass"):
+        root = math.sqrt(scale) if rule == "threshold" else 1.0
+        units = {name: u.sqrt() * root for name, u in units.items()}
+    return units
+
+
+def _unit_sums(fisher: torch.Tensor, structured: str) -> torch.Tensor:
+    """Summed F per row (dim 1 summed) or column (dim 0 summed) of a 2-D tensor, in fp64.
+
+    Other shapes fall back to one unit per coordinate.
+    """
+    f = nonnegative(fisher.detach().double())
+    if f.dim() != 2:
+        return f.reshape(-1)
+    return f.sum(dim=1 if structured == "rows" else 0)  # (out,) for rows, (in,) for columns
+
+
+def _expand(units: torch.Tensor, fisher: torch.Tensor, structured: str | None) -> torch.Tensor:
+    """Unit mask -> parameter-shaped bool mask."""
+    if structured is None or fisher.dim() != 2:
+        return units.reshape(fisher.shape)
+    if structured == "rows":
+        return units[:, None].expand(fisher.shape).clone()  # (out, in)
+    return units[None, :].expand(fisher.shape).clone()  # (out, in)
+
+
+# ---------------------------------------------------------------------------
+# Rules over units
+
+
+def _choose_units(units, rule, value, per_module) -> dict[str, torch.Tensor]:
+    """Apply the rule globally or per parameter; returns 1-D bool unit masks."""
+    if rule == "threshold":
+        return {name: u > value for name, u in units.items()}
+    groups = [{name: units[name]} for name in sorted(units)] if per_module else [units]
+    chosen: dict[str, torch.Tensor] = {}
+    for group in groups:
+        chosen.update(_apply_budget(group, rule, value))
+    return chosen
+
+
+def _apply_budget(units, rule, value) -> dict[str, torch.Tensor]:
+    if rule == "top":
+        n = sum(u.numel() for u in units.values())
+        return top_units(units, float(top_count(value, n)), weighted=False)
+    total = sum(float(u.sum(dtype=torch.float64)) for u in units.values())
+    if total <= 0.0:
+        if len(units) == 1:  # per parameter: a parameter without mass needs nothing
+            return {name: torch.zeros_like(u, dtype=torch.bool) for name, u in units.items()}
+        raise FisherSelectError("the run has no Fisher mass at all (F = 0 everywhere); recalibrate")
+    return top_units(units, value * total, weighted=True)
+
+
+# ---------------------------------------------------------------------------
+# Metadata
+
+
+def _meta(run, masks, rule, value, per_module, structured, objective, scale) -> dict:
+    """The JSON sidecar: provenance, rule, per-module and overall density, caveats."""
+    counts = {name: (int(m.sum()), m.numel()) for name, m in masks.items()}
+    selected = sum(c[0] for c in counts.values())
+    numel = sum(c[1] for c in counts.values())
+    return {
+        "format": MASK_FORMAT,
+        **run.provenance(CAVEAT),
+        "rule": {
+            "name": rule,
+            "value": value,
+            "per_module": per_module,
+            "structured": structured,
+            "objective": objective or run.objectives[0].name,
+            "signal_scale": scale,
+        },
+        "selected": selected,
+        "numel": numel,
+        "density": selected / numel if numel else 0.0,
+        "modules": _module_counts(run, counts),
+    }
+
+
+def _module_counts(run, counts: dict[str, tuple[int, int]]) -> list[dict]:
+    """Selected / numel / density per module, in the report's order (bound mass, largest first).
+
+    A parameter the report does not list under a module counts under its dotted prefix.
+    """
+    owner = {}
+    for entry in run.report.modules:
+        for param in entry.parameters:
+            owner.setdefault(param, entry.name)
+    totals: dict[str, list[int]] = {entry.name: [0, 0] for entry in run.report.modules}
+    for name in sorted(counts):
+        module = owner.get(name, module_of(name))
+        total = totals.setdefault(module, [0, 0])
+        total[0] += counts[name][0]
+        total[1] += counts[name][1]
+    return [
+        {"name": name, "selected": s, "numel": n, "density": s / n}
+        for name, (s, n) in totals.items()
+        if n
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Files
+
+
+def save_masks(maskset: MaskSet, path: "str | os.PathLike", *, overwrite: bool = False) -> Path:
+    """Write bool masks as safetensors (metadata embedded) plus the ``<path>.json`` sidecar.
+
+    Each file is written to a temporary name and renamed into place, so neither is ever seen
+    half-written. The embedded metadata is authoritative; ``load_masks`` refuses a sidecar
+    that belongs to another mask file.
+    """
+    path, sidecar = Path(path), sidecar_path(path)
+    refuse_existing([path, sidecar], overwrite)
+    text = json.dumps(maskset.meta, indent=2) + "\n"
+    embedded = {META_KEY: json.dumps(maskset.meta)}
+    write_file(path, lambda tmp: save_tensors(tmp, maskset.masks, embedded), overwrite=True)
+    write_file(sidecar, lambda tmp: tmp.write_text(text), overwrite=True)
+    return path
+
+
+def load_masks(path: "str | os.PathLike") -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a mask file written by ``save_masks``: ``(masks, meta)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FisherSelectError(
+            f"mask file {path} does not exist; pass the --out file of `fisher-select select`"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            masks = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for foreign files
+        raise FisherSelectError(f"{path} is not a safetensors file ({err}); pass a mask file") from err
+    if META_KEY not in metadata:
+        raise FisherSelectError(f"{path} is not a fisher_select mask file (no metadata); pass a mask file")
+    meta = json.loads(metadata[META_KEY])
+    if meta.get("format") != MASK_FORMAT:
+        raise FisherSelectError(f"{path} has mask format {meta.get('format')!r}, expected {MASK_FORMAT}")
+    bad = [name for name, m in masks.items() if m.dtype != torch.bool]
+    if bad:
+        raise FisherSelectError(f"{path}: masks {bad[:3]} are not boolean; regenerate the mask file")
+    _check_sidecar(path, meta)
+    return masks, meta
+
+
+def _check_sidecar(path: Path, meta: dict) -> None:
+    sidecar = sidecar_path(path)
+    if not sidecar.is_file():
+        return
+    side = json.loads(sidecar.read_text())
+    if (side.get("run_id"), side.get("selected")) != (meta["run_id"], meta["selected"]):
+        raise FisherSelectError(
+            f"sidecar {sidecar} describes another mask file than {path}; "
+            "regenerate the mask with `fisher-select select ... --overwrite`"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Masked full fine-tuning (dense)
+
+
+@dataclass
+class _Partial:
+    """A partly selected parameter and the values its masked coordinates must keep."""
+
+    param: torch.nn.Parameter
+    keep: torch.Tensor  # bool, parameter-shaped: True = masked out (must not move)
+    saved: torch.Tensor  # 1-D, param[keep] at apply time, the parameter's dtype
+
+
+@dataclass
+class MaskHandle:
+    """What ``apply_masks`` did, and the means to undo it."""
+
+    frozen: list[str] = field(default_factory=list)  # no selected coordinate
+    partial: list[str] = field(default_factory=list)  # some selected coordinates
+    free: list[str] = field(default_factory=list)  # every coordinate selected
+    _partials: list[_Partial] = field(default_factory=list, repr=False)
+    _was_trainable: dict = field(default_factory=dict, repr=False)  # frozen name -> (param, flag)
+    _hooks: list = field(default_factory=list, repr=False)
+
+    def restore(self) -> None:
+        """Write the saved values back into every masked coordinate."""
+        with torch.no_grad():
+            for part in self._partials:
+                if part.keep.device != part.param.device:  # the model moved after apply_masks
+                    part.keep = part.keep.to(part.param.device)
+                    part.saved = part.saved.to(part.param.device)
+                part.param.masked_scatter_(part.keep, part.saved)
+
+    def remove(self) -> None:
+        """Remove all hooks and give frozen parameters their ``requires_grad`` back."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for param, flag in self._was_trainable.values():
+            param.requires_grad_(flag)
+        self._was_trainable.clear()
+        self._partials.clear()
+
+
+def apply_masks(model: torch.nn.Module, masks, *, optimizer=None) -> MaskHandle:
+    """Make coordinates outside ``masks`` immovable during training of ``model``.
+
+    ``masks``: dict name -> bool tensor (True = may move), a ``MaskSet``, or a mask file path.
+    A mask file or ``MaskSet`` must carry the fingerprint of ``model``; names and shapes must
+    match the model's parameters, and every trainable parameter needs a mask. Call before
+    building the optimizer. Returns a ``MaskHandle``.
+    """
+    masks = resolve_masks(masks, model)
+    params = _check_names(masks, model)
+    handle = MaskHandle()
+    for name, param in params.items():
+        mask = masks[name].to(param.device)
+        if bool(mask.all()):
+            handle.free.append(name)
+        elif not bool(mask.any()):
+            handle._was_trainable[name] = (param, param.requires_grad)
+            param.requires_grad_(False)
+            param.grad = None  # a stale gradient would still be applied by the optimizer
+            handle.frozen.append(name)
+        else:
+            _protect(handle, name, param, ~mask)
+    step_hook = register_optimizer_step_post_hook if optimizer is None else optimizer.register_step_post_hook
+    handle._hooks.append(step_hook(lambda *args, **kwargs: handle.restore()))
+    return handle
+
+
+def _protect(handle: MaskHandle, name: str, param, keep: torch.Tensor) -> None:
+    """Zero masked gradients after accumulation and remember the masked values."""
+
+    def zero_masked_grad(p: torch.Tensor) -> None:
+        p.grad.masked_fill_(keep.to(p.grad.device), 0)
+
+    if param.grad is not None:
+        param.grad.masked_fill_(keep, 0)
+    handle._hooks.append(param.register_post_accumulate_grad_hook(zero_masked_grad))
+    handle._partials.append(_Partial(param, keep, param.detach()[keep]))  # indexing copies
+    handle.partial.append(name)
+
+
+def resolve_masks(masks, model) -> dict[str, torch.Tensor]:
+    """Mask dict from a dict, ``MaskSet`` or file; files and MaskSets are fingerprint-checked."""
+    if isinstance(masks, (str, os.PathLike)):
+        path = os.fspath(masks)
+        masks, meta = load_masks(path)
+        check_fingerprint(meta["model"]["fingerprint"], model, f"mask file {path}")
+        return masks
+    if isinstance(masks, MaskSet):
+        check_fingerprint(masks.meta["model"]["fingerprint"], model, f"masks of run {masks.meta['run_id']}")
+        return masks.masks
+    if isinstance(masks, dict):
+        return masks
+    raise FisherSelectError(
+        f"masks must be a dict, a MaskSet or a mask file path, not {type(masks).__name__}"
+    )
+
+
+def _check_names(masks: dict, model) -> dict[str, torch.nn.Parameter]:
+    """Mask name -> parameter (aliases of tied weights resolved); refuses a foreign mask."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))  # tied aliases included
+    params, seen = {}, {}
+    for name, mask in masks.items():
+        param = by_name.get(name)
+        if param is None:
+            raise FisherSelectError(
+                f"mask names parameter {name}, which the model does not have; "
+                "the mask was computed for another model"
+            )
+        if tuple(mask.shape) != tuple(param.shape) or mask.dtype != torch.bool:
+            raise FisherSelectError(
+                f"mask for {name} is {mask.dtype} {tuple(mask.shape)} but the parameter is "
+                f"{tuple(param.shape)}; the mask was computed for another model"
+            )
+        if id(param) in seen:
+            if not torch.equal(masks[seen[id(param)]], mask):
+                raise FisherSelectError(f"tied parameters {seen[id(param)]} and {name} have different masks")
+            continue
+        seen[id(param)] = name
+        params[name] = param
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise FisherSelectError(
+            f"the masks cover no entry for trainable parameter {missing[0]} "
+            f"({len(missing)} missing); the mask was computed for another model"
+        )
+    return params
+
+
+class FisherMaskCallback(TrainerCallback):
+    """``apply_masks`` for ``transformers.Trainer`` and trainers built on it (TRL).
+
+    Trainer creates its optimizer inside ``train()``, *before* ``on_train_begin``; so the masks are
+    applied at ``on_init_end`` (end of ``Trainer.__init__``: frozen parameters never reach the
+    optimizer). A callback added later is applied at ``on_train_begin``: frozen parameters are
+    then in the optimizer but never get a gradient, which torch optimizers skip. The restore
+    runs through the global optimizer step post-hook after every ``optimizer.step()``. Hooks are
+    removed at ``on_train_end`` and put back by the next ``train()``; the fingerprint is checked
+    once, on first sight of the model (training changes the weights it samples). Tested with TRL's
+    ``GRPOTrainer`` and ``SFTTrainer`` (tests/test_trl.py), with and without gradient checkpointing.
+    """
+
+    def __init__(self, masks):
+        self._source = masks
+        self._masks: dict[str, torch.Tensor] | None = None
+        self.handle: MaskHandle | None = None
+
+    def _apply(self, model) -> None:
+        if self.handle is not None or model is None:
+            return
+        if self._masks is None:
+            self._masks = resolve_masks(self._source, model)
+        self.handle = apply_masks(model, self._masks)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._apply(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._apply(model)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None

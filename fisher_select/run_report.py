@@ -1,0 +1,174 @@
+"""The report of a run, beside the run schema: built from a calibration, refreshed from a run's files,
+and the run directory written with its pages (``write_run``, the one writer of a whole run).
+
+Every report carries the caveats of ``fisher_select.caveats``, first, with the run's own numbers
+where they bite (``report.text.caveat_block``). The report's statistics (``report.statistics``)
+are computed here from the calibration (``build_report``) or again from a run directory
+(``refresh_report``, for ``fisher-select report``): what needs only the run's files (F, g, S,
+samples, per-prompt scale terms) is recomputed; what needs the sampling pass itself (score means,
+split halves, per-batch spread) is kept from the report as written.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from fisher_select.atomic import write_dir, write_file
+from fisher_select.caveats import CAVEATS
+from fisher_select.distributed import rank_world
+from fisher_select.report import markdown, page, validation_section
+from fisher_select.report.statistics import (ReportStatistics, bound_ratio, concentration, module_spread,
+                                             scale_uncertainty, signal_diagnostics)
+from fisher_select.report.warnings import run_warnings
+from fisher_select.rundir import (HTML_FILE, MARKDOWN_FILE, REPORT_FILE, SAMPLES_FILE, ModelInfo, ModuleEntry,
+                                  ObjectiveEntry, RunReport, grad_file_for, load_run, new_run_id, read_samples,
+                                  read_tensors, utc_now, write_json, write_run_files)
+from fisher_select.stats.naming import module_of
+from fisher_select.version import __version__
+
+
+def module_table(fisher: dict[str, torch.Tensor], scale: float | None, types: dict[str, str] | None = None,
+                 rel_stderr: dict[str, float] | None = None) -> list[ModuleEntry]:
+    """One entry per module with a parameter, by bound mass (sum of sqrt(F)), largest first.
+
+    Bound mass ranks modules because it tracks how much training moves them; the Fisher mass (sum
+    of F), dominated by a few huge coordinates, does not (docs/VALIDATION.md). Both are recorded.
+    ``types`` maps module name -> class name (recorded so hints can tell Linear from Conv1D);
+    ``rel_stderr`` module name -> relative standard error of its F mass (from the per-batch spread).
+    """
+    root = math.sqrt(scale) if scale is not None else None
+    table: dict[str, ModuleEntry] = {}
+    sqrt_max: dict[str, float] = {}
+    for name, f in fisher.items():
+        mod = module_of(name)
+        entry = table.setdefault(mod, ModuleEntry(mod, 0, 0.0, [], type=(types or {}).get(mod)))
+        root_f = f.double().clamp_min(0).sqrt()
+        entry.numel += f.numel()
+        entry.fisher_mass += float(f.double().sum())
+        entry.bound_mass += float(root_f.sum())
+        sqrt_max[mod] = max(sqrt_max.get(mod, 0.0), float(root_f.max()) if f.numel() else 0.0)
+        entry.parameters.append(name)
+    # fsum: exact, so the shares do not depend on the order the parameters come in (memory vs file)
+    total = math.fsum(e.fisher_mass for e in table.values()) or 1.0
+    bound_total = math.fsum(e.bound_mass for e in table.values()) or 1.0
+    for e in table.values():
+        e.sqrt_fisher_mean = e.bound_mass / max(1, e.numel)
+        e.bound_mean = None if root is None else e.sqrt_fisher_mean * root
+        e.bound_max = None if root is None else sqrt_max[e.name] * root
+        e.fisher_share = e.fisher_mass / total
+        e.bound_share = e.bound_mass / bound_total
+        e.fisher_mass_rel_stderr = (rel_stderr or {}).get(e.name)
+    return sorted(table.values(), key=lambda e: (-e.bound_mass, e.name))
+
+
+def build_report(cal, *, model: ModelInfo, recipe: dict | None, recipe_name: str | None, sampling: dict,
+                 settings: dict, command_line: list[str] | None = None) -> RunReport:
+    """The report of a finished calibration (``cal``: a ``Calibration``)."""
+    objectives = [ObjectiveEntry.from_summary(o.name, o.summary, o.signal_scale, grad_file_for(i, o.name))
+                  for i, o in enumerate(cal.objectives)]
+    diag = getattr(cal, "diagnostics", None)
+    spread = module_spread(diag.unit_names, diag.unit_masses, diag.unit_counts) if diag else {}
+    report = RunReport(
+        run_id=new_run_id(), created=utc_now(), fisher_select_version=__version__, model=model,
+        environment=environment(), command_line=command_line,
+        recipe=recipe_name, config=recipe, objectives=objectives,
+        num_prompts=cal.num_prompts, num_samples=cal.num_samples, num_truncated=cal.num_truncated,
+        samples_per_prompt=settings.get("samples_per_prompt"), max_new_tokens=settings.get("max_new_tokens"),
+        seed=settings.get("seed"), sampling=sampling, coverage=cal.coverage, checks=cal.checks,
+        caveats=list(CAVEATS),
+        modules=module_table(cal.fisher_for(None), cal.signal_scale, cal.coverage.get("module_types"), spread))
+    stats = _file_statistics(cal, objectives, [o.grad_estimate for o in cal.objectives], cal.samples,
+                             cal.num_prompts, diag.scale_terms if diag else None)
+    stats.conformity = diag.conformity if diag else None  # none without score sums (memory modes gradient / fisher)
+    stats.stability = diag.split_half if diag else None
+    report.statistics = stats.to_json()
+    report.warnings = run_warnings(report)
+    return report
+
+
+def _file_statistics(view, objectives: list[ObjectiveEntry], grads: list[dict], samples: list[dict],
+                     num_prompts: int, scale_terms: list[list[float]] | None) -> ReportStatistics:
+    """The statistics that need only what a run directory holds (``view``: a Calibration or Run)."""
+    stats = ReportStatistics(concentration=concentration(view.fisher))
+    for i, entry in enumerate(objectives):
+        if scale_terms is not None and entry.signal_scale is not None:
+            stats.uncertainty.append(scale_uncertainty(entry.name, scale_terms[i]))
+        s = entry.signal_scale
+        if s is not None and math.isfinite(s) and s > 0 and grads[i]:  # {}: no signal sums kept (fisher mode)
+            stats.bound_ratios.append(bound_ratio(entry.name, grads[i], view.fisher_for(entry.name), s))
+        stats.signals.append(signal_diagnostics(entry, samples, num_prompts))
+    return stats
+
+
+def refresh_report(run, grads: list[dict | None], samples: list[dict]) -> RunReport:
+    """``run``'s report with every statistic recomputed from its files, the rest kept as written."""
+    report = run.report
+    old = ReportStatistics.from_json(report.statistics)
+    terms = [next((u.scale_terms for u in old.uncertainty if u.objective == e.name), None) for e in report.objectives]
+    have_terms = any(t is not None for t in terms)
+    stats = _file_statistics(run, report.objectives, grads, samples, report.num_prompts,
+                             [[float(v) for v in (t or [])] for t in terms] if have_terms else None)
+    stats.uncertainty = [u for u in stats.uncertainty if u.num_prompts]  # objectives without stored terms: none
+    stats.conformity, stats.stability = old.conformity, old.stability
+    spread = {m.name: m.fisher_mass_rel_stderr for m in report.modules if m.fisher_mass_rel_stderr is not None}
+    report.modules = module_table(run.fisher_for(None), run.signal_scale, report.coverage.get("module_types"), spread)
+    report.statistics = stats.to_json()
+    report.warnings = run_warnings(report)
+    return report
+
+
+def regenerate(path: "str | Path") -> list[Path]:
+    """report.json, report.md and report.html of a run directory again, from its files (no sampling, no
+    scoring); each file is replaced atomically. Returns the paths written."""
+    run = load_run(path)
+    grads = [_load_grad(run.path / e.grad_file) for e in run.report.objectives]
+    samples_file = run.path / SAMPLES_FILE
+    samples = read_samples(samples_file) if samples_file.is_file() else []
+    report = refresh_report(run, grads, samples)
+    checked = validation_section.load_validations(run.path)  # what `fisher-select validate` measured, if anything
+    writers = {REPORT_FILE: lambda tmp: write_json(tmp, report.to_json()),
+               MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report, checked),
+               HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples, validations=checked)}
+    return [write_file(run.path / name, writer, overwrite=True) for name, writer in writers.items()]
+
+
+def _load_grad(path: Path) -> dict | None:
+    return read_tensors(path) if path.is_file() else None
+
+
+# Libraries whose release can change the numbers (kernels, tokenizers, loaders) or the outputs' format.
+_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "peft", "accelerate", "numpy", "bitsandbytes")
+
+
+def environment() -> dict:
+    """Where the run was made: Python, platform, library versions (None: not installed), ranks.
+
+    (The device and dtype are the recipe's, in ``config``.)
+    """
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "libraries": {name: installed(name) for name in _LIBRARIES},
+            "world_size": rank_world()[1]}
+
+
+def write_run(out: Path, cal, report: RunReport, overwrite: bool) -> Path:
+    """The run directory, atomically: tensors, samples and report.json (``rundir.write_run_files``),
+    then report.html and report.md. The one writer of a whole run."""
+
+    def writer(tmp: Path) -> None:
+        write_run_files(tmp, cal, report)
+        page.write_html(tmp / HTML_FILE, report, cal)
+        markdown.write_markdown(tmp / MARKDOWN_FILE, report)
+
+    return write_dir(out, writer, overwrite=overwrite)
