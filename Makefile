@@ -1,10 +1,11 @@
 # Two set-up commands for a fresh machine (Python 3.10+, no torch needed):
 #   make demo   installs into .venv and calibrates the embedded default (SmolLM2-135M-Instruct)
 #   make test   installs into .venv (with test extras) and runs the test suite
+# Inner loop, after `make test` has installed: make test-fast (leaves out tests marked slow)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench
+.PHONY: demo test test-fast bench
 
 demo:
 	bash scripts/setup.sh
@@ -13,7 +14,11 @@ demo:
 
 test:
 	bash scripts/setup.sh --test
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+
+test-fast:
+	[ -x $(BIN)/pytest ] || bash scripts/setup.sh --test
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 -m "not slow"
 
 bench:
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_engine.py

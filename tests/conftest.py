@@ -24,6 +24,16 @@ def pytest_configure(config):
                                        "(`make test-fast` leaves them out; `make test` runs everything)")
 
 
+SLOW_FIXTURES = {"embedded", "demo_run"}  # the embedded default loaded, or calibrated from the CLI
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that loads the embedded default's weights, or calibrates it end to end, is slow."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The embedded default's tokenizer alone (no weights loaded), once per test process."""

@@ -242,6 +242,7 @@ def test_run_from_an_older_format_is_refused_with_the_upgrade_command(small_run,
     assert main(["select", str(old), "--top", "0.1", "--out", str(tmp_path / "m.safetensors")]) == 0
 
 
+@pytest.mark.slow
 def test_sigterm_during_sampling_exits_143_and_leaves_nothing(tmp_path):
     """A cluster time limit mid-run: exit 143, one line, neither the run nor a temporary left."""
     marker = tmp_path / "sampling-started"

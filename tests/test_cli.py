@@ -134,6 +134,7 @@ def test_recipe_with_unknown_key(tmp_path, capsys):
     _fails(["calibrate", "--recipe", str(recipe), "--out", str(tmp_path / "o")], capsys, "bogus", str(recipe))
 
 
+@pytest.mark.slow
 def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch, capsys):
     import fisher_select.report.page as html
 
@@ -150,6 +151,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "fisher_select", "--help"], capture_output=True, text=True, check=True)
     assert "calibrate" in out.stdout and "select" in out.stdout

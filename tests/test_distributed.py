@@ -47,6 +47,7 @@ def _worker(rank, world, port, out):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+@pytest.mark.slow
 def test_two_ranks_merge_to_the_combined_single_process_result(tmp_path):
     out = tmp_path / "rank0.pt"
     mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
@@ -64,6 +65,7 @@ def test_two_ranks_merge_to_the_combined_single_process_result(tmp_path):
     assert merged["S"] == pytest.approx(want_s, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_torchrun_cli_writes_one_merged_run(tmp_path, smol_tokenizer):
     """`torchrun --nproc_per_node 2 -m fisher_select calibrate ...`: rank 0 writes the merged run."""
     import json

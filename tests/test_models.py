@@ -341,6 +341,7 @@ def test_load_model_reports_unloadable_dir(tmp_path):
 # --- the embedded default, end to end (~30-40 s: one real GGUF conversion) ------------
 
 
+@pytest.mark.slow
 def test_embedded_default_converts_once_and_matches_gguf(cache, monkeypatch):
     try:
         gguf = models.embedded_gguf_path()

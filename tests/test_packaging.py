@@ -9,6 +9,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # builds a wheel and calibrates with it in a new environment
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every README command, in order, on the embedded default
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # Big enough that some reward varies (S > 0), which `select --threshold` needs.

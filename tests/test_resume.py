@@ -74,6 +74,7 @@ def _assert_same_run(a, b):
     assert diff.results == [] and diff.environment == []
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_the_uninterrupted_run(workdir):
     whole = _calibrate(workdir, workdir / "whole")
     assert whole.returncode == 0, whole.stderr[-2000:]
@@ -93,6 +94,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(workdir):
 
 
 
+@pytest.mark.slow
 def test_two_ranks_each_resume_their_own_checkpoint(workdir):
     """torchrun, 2 gloo ranks: each rank checkpoints its own shard; killed and resumed, bit-identical."""
     def launcher():

@@ -216,6 +216,7 @@ def _worker(rank, world, port, path, out):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+@pytest.mark.slow
 def test_two_ranks_on_rollouts_equal_one_process(tmp_path):
     from safetensors.torch import load_file
 
