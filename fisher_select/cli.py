@@ -5,23 +5,35 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import pkgutil
 import sys
 
 from fisher_select import commands
+from fisher_select.commands import HELP
 from fisher_select.version import __version__
 from fisher_select.atomic import Terminated, raise_on_sigterm
 from fisher_select.errors import FisherSelectError, ResourceError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser. Only the command named in ``argv`` is imported and gets its arguments; the
+    others are listed by name and help, so ``--version``, ``--help`` and a mistyped command answer
+    without loading torch."""
     parser = argparse.ArgumentParser(prog="fisher-select", description="Locate the coordinates fine-tuning is likely to move: exact model Fisher, signal scales, bounds, masks and PEFT hints.")
     parser.add_argument("--version", action="version", version=f"fisher-select {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
     sub = parser.add_subparsers(dest="command", required=True)
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        importlib.import_module(f"{commands.__name__}.{info.name}").register(sub)
+    chosen = _command_in(sys.argv[1:] if argv is None else argv)
+    for name, help_text in sorted(HELP.items()):
+        if name == chosen:
+            importlib.import_module(f"{commands.__name__}.{name}").register(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The command a command line names: its first word that is not an option."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
 # Third-party messages a user cannot act on. bitsandbytes warns on every CPU with AVX512-BF16 that an
@@ -32,7 +44,7 @@ _QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
 def main(argv: list[str] | None = None) -> int:
     for name in _QUIET_LOGGERS:  # before the commands import peft, which imports bitsandbytes
         logging.getLogger(name).setLevel(logging.ERROR)
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     args.command_line = ["fisher-select", *(sys.argv[1:] if argv is None else argv)]  # recorded in the run
     raise_on_sigterm()  # a cluster time limit stops the work like Ctrl-C: nothing half-written stays
     try:

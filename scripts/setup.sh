@@ -11,8 +11,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch>=2.4,<=2.14.1"          # CUDA build from PyPI
   else
-    # No CUDA: the CPU build. (Outside this workplace, add
-    # --index-url https://download.pytorch.org/whl/cpu to get PyTorch's CPU wheel.)
+    # No CUDA: the CPU build of torch (pin it, so pip does not pick a CUDA build of another release).
     "$PY" -m pip install -q "torch==2.13.0"
   fi
 fi

@@ -165,6 +165,15 @@ def test_version_flag(capsys):
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"fisher-select {fisher_select.__version__}"
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["no-such-command"]])
+def test_light_answers_import_no_heavy_library(argv):
+    """--version, --help and a mistyped command import no command module, so no torch (fast start)."""
+    code = ("import sys\nfrom fisher_select.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))" % (argv,))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
 def test_public_api_is_importable_from_the_top_level():
     import fisher_select
 
@@ -199,7 +208,7 @@ def test_same_seed_reproduces_the_run_bit_for_bit_and_verify_says_so(demo_run, t
 def _subparser(name: str):
     from fisher_select.cli import build_parser
 
-    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    sub = next(a for a in build_parser([name])._actions if a.dest == "command")
     return sub.choices[name]
 
 

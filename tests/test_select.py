@@ -346,6 +346,23 @@ def test_cli_select_writes_masks_and_prints_counts(tmp_path, capsys):
         run_command(["select", str(run_dir), "--top", "0.1", "--fisher-mass", "0.5", "--out", str(out)])
 
 
+def test_cli_select_summary_lists_the_most_selected_modules_unless_all(tmp_path, capsys, monkeypatch):
+    import fisher_select.commands.select as select_command
+
+    monkeypatch.setattr(select_command, "SUMMARY_MODULES", 1)
+    run_dir = write_run_dir(make_run(tied_fisher()), tmp_path / "run")
+    assert run_command(["select", str(run_dir), "--top", "0.5", "--out", str(tmp_path / "a.safetensors")]) == 0
+    short = capsys.readouterr().out
+    _, meta = load_masks(tmp_path / "a.safetensors")
+    ranked = sorted(meta["modules"], key=lambda m: (-m["selected"], m["name"]))
+    assert len(ranked) > 1 and ranked[0]["name"] in short
+    assert all(f"{m['name']} " not in short for m in ranked[1:])
+    assert f"{len(ranked) - 1} more modules (--all lists every one)" in short
+    assert run_command(["select", str(run_dir), "--top", "0.5", "--all", "--out", str(tmp_path / "b.safetensors")]) == 0
+    full = capsys.readouterr().out
+    assert all(m["name"] in full for m in ranked) and "more modules" not in full
+
+
 def test_zero_signal_scale_refuses_threshold_and_warns_on_rankings():
     run = make_run(continuous_fisher(), scale=0.0)
     with pytest.raises(FisherSelectError, match="S = 0.*--threshold would select nothing"):

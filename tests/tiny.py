@@ -135,7 +135,7 @@ def run_command(argv):
     """Run one CLI command's handler directly, so FisherSelectError propagates to pytest.raises."""
     from fisher_select.cli import build_parser
 
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     return args.func(args)
 
 

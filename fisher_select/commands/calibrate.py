@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fisher_select.commands import HELP
+
 from fisher_select.config import RecipeConfig, find_recipe, load_recipe
 from fisher_select.distributed import rank_world
 from fisher_select.pipeline import run_recipe
@@ -11,7 +13,7 @@ from fisher_select.fields import add_dataclass_arguments
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "calibrate", help="sample from the model, estimate Fisher, signal scales and bounds",
+        "calibrate", help=HELP["calibrate"],
         description="Run a recipe. Every top-level scalar recipe key is also a flag, which overrides the "
                     "recipe's value (the default applies when neither sets it); see docs/RECIPES.md.")
     p.add_argument("--recipe", default="rl-arithmetic", help="recipe file or shipped recipe name (default: rl-arithmetic)")

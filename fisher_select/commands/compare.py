@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fisher_select.commands import HELP
+
 import json
 from pathlib import Path
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "compare", help="show runs side by side: S, checks, top-k mask overlap, module rank correlation",
+        "compare", help=HELP["compare"],
         description="Compare two or more run directories (two objectives, two models, two seeds): each run's "
                     "numbers, and for every pair the Jaccard overlap of their top-1% and top-10% coordinate masks "
                     "(same parameters only) and the Spearman correlation of their module masses.")

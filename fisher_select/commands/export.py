@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fisher_select.commands import add_command
+from fisher_select.commands import HELP, add_command
 from fisher_select.commands.lora import PICK_FLAGS, RANK_FLAGS, add_lora_arguments, hint_kwargs, write_lora
 from fisher_select.errors import FisherSelectError
 from fisher_select.fields import add_dataclass_arguments
@@ -22,7 +22,7 @@ PEFT_FLAGS = (*PICK_FLAGS, *RANK_FLAGS, "layers", "modules")
 def register(subparsers) -> None:
     p = add_command(
         subparsers, "export", main,
-        help="export a run as axolotl unfrozen_parameters (YAML) or a PEFT adapter-config directory",
+        help=HELP["export"],
         description=(
             "--format axolotl: the unfrozen_parameters list axolotl reads (as Spectrum writes it), one "
             "^name$ pattern per parameter of the modules with the most bound mass (sum of sqrt(F)), "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fisher_select.commands import HELP
+
 import argparse
 from pathlib import Path
 
@@ -23,7 +25,7 @@ RANK_FLAGS = ("ranking", "total_rank", "mean_rank", "rank_step", "min_rank", "ma
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "lora",
-        help="LoRA target modules and per-module ranks by bound mass (a PEFT adapter-config directory)",
+        help=HELP["lora"],
         description=(
             "Choose LoRA target modules (full names) by module mass, coverage or top-N (bound mass, the sum "
             "of sqrt(F), by default; --ranking fisher_mass for the sum of F), and split a rank budget in "

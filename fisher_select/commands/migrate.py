@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from fisher_select.commands import HELP
+
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("migrate", help="upgrade an older run directory to this release's run format",
+    p = subparsers.add_parser("migrate", help=HELP["migrate"],
                               description="Rewrite a run directory's report.json to this release's run format "
                                           "(atomically; tensors are not touched).")
     p.add_argument("run", help="run directory written by `fisher-select calibrate`")

@@ -9,6 +9,8 @@ with its help text. ``recipes fields`` prints the reference of every recipe key 
 
 from __future__ import annotations
 
+from fisher_select.commands import HELP
+
 import argparse
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from fisher_select.errors import FisherSelectError
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "recipes",
-        help="list the shipped recipes, show one (`recipes show NAME`), or every recipe key (`recipes fields`)",
+        help=HELP["recipes"],
         description="List the shipped recipes (name, objectives, description), explain one with `show`, "
                     "or print the reference of every recipe key with `fields` (Markdown, docs/RECIPES.md).",
     )

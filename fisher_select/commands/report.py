@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fisher_select.commands import add_command
+from fisher_select.commands import HELP, add_command
 
 
 def register(subparsers) -> None:
     add_command(
-        subparsers, "report", main, help="regenerate report.json, report.md and report.html of a run directory",
+        subparsers, "report", main, help=HELP["report"],
         description="Recompute the report's statistics from the run's files (F, gradient estimates, S, samples, "
                     "per-prompt scale terms) and redraw the pages; nothing is sampled or scored again. Statistics "
                     "that need the sampling pass (score-mean check, split halves, per-batch spread) are kept "

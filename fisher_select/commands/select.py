@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from fisher_select.commands import HELP
+
 import argparse
 from pathlib import Path
 
 from fisher_select.caveats import MASK_CAVEAT
 
+SUMMARY_MODULES = 15  # modules the summary lists without --all
+
 STRUCTURES = ("rows", "columns")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("select", help="select the coordinates fine-tuning is likely to move (a mask file)",
+    p = subparsers.add_parser("select", help=HELP["select"],
                               description="Select coordinates of a calibration run by one rule and write bool masks "
                                           "(True = selected) as safetensors, with a JSON sidecar <out>.json.")
     p.add_argument("run", help="run directory written by `fisher-select calibrate`")
@@ -32,6 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--objective", metavar="NAME", help="objective whose S sets the bound (default: primary)")
     p.add_argument("--out", required=True, metavar="FILE", help="mask file to write (.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing mask file")
+    p.add_argument("--all", dest="all_modules", action="store_true",
+                   help=f"list every module (default: the {SUMMARY_MODULES} with the most selected coordinates)")
     p.set_defaults(func=run_select)
 
 
@@ -57,7 +63,7 @@ def run_select(args: argparse.Namespace) -> int:
         objective=args.objective,
     )
     path = save_masks(maskset, out, overwrite=args.overwrite)
-    _print_counts(maskset.meta)
+    _print_counts(maskset.meta, None if args.all_modules else SUMMARY_MODULES)
     for warning in maskset.meta["warnings"]:
         print(f"warning: {warning}")
     print(f"wrote {path} and {sidecar_path(path).name}")
@@ -65,11 +71,18 @@ def run_select(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_counts(meta: dict) -> None:
-    """One line per module (selected / numel / density), then the total."""
-    rows = [(m["name"], m["selected"], m["numel"], m["density"]) for m in meta["modules"]]
+def _print_counts(meta: dict, limit: int | None) -> None:
+    """One line per module (selected / numel / density), the most selected first, then the total;
+    only the first ``limit`` modules unless ``limit`` is None."""
+    modules = sorted(meta["modules"], key=lambda m: (-m["selected"], m["name"]))
+    shown = modules if limit is None else modules[:limit]
+    rows = [(m["name"], m["selected"], m["numel"], m["density"]) for m in shown]
     rows.append(("total", meta["selected"], meta["numel"], meta["density"]))
     width = max(len(r[0]) for r in rows)
     print(f"{'module':<{width}}  {'selected':>12}  {'numel':>12}  density")
-    for name, selected, numel, density in rows:
+    for name, selected, numel, density in rows[:-1]:
         print(f"{name:<{width}}  {selected:>12,}  {numel:>12,}  {density:8.4f}")
+    if len(shown) < len(modules):
+        print(f"... {len(modules) - len(shown)} more modules (--all lists every one)")
+    name, selected, numel, density = rows[-1]
+    print(f"{name:<{width}}  {selected:>12,}  {numel:>12,}  {density:8.4f}")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fisher_select.commands import add_command
+from fisher_select.commands import HELP, add_command
 
 OPTIMIZERS = ("sgd", "adamw")  # training.loop.OPTIMIZERS (a test checks they agree)
 
 
 def register(subparsers) -> None:
     p = add_command(
-        subparsers, "validate", main, help="check a run's ranking against a real short fine-tuning (validation.json + plots)",
+        subparsers, "validate", main, help=HELP["validate"],
         description="Fine-tune for a few steps from the calibration parameters with the run's objective (fp32), "
                     "record the realized movement of every coordinate and score the run's ranking against it "
                     "beside baselines (random, |theta|, one batch's |grad|, Spectrum's SNR, KappaTune, another "

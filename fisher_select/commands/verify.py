@@ -7,9 +7,11 @@ apart, the environment they were made in (library versions, Python, platform).
 
 from __future__ import annotations
 
+from fisher_select.commands import HELP
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("verify", help="compare two run directories tensor by tensor (reproducibility)",
+    p = subparsers.add_parser("verify", help=HELP["verify"],
                               description="Compare two runs' tensors bit for bit, their samples and reports (run id, "
                                           "time, command line and environment aside), then their environments. Exit "
                                           "0 when the results are identical (a warning lists any library whose "
