@@ -113,6 +113,7 @@ def test_save_load_merge_round_trips_and_a_modified_model_is_refused(tmp_path):
     for a, b in zip(loaded.entries, handle.entries):
         assert torch.equal(a.indices, b.indices)
         torch.testing.assert_close(a.values, b.values, rtol=1e-7, atol=1e-8)  # base + delta: within an fp32 ulp
+    loaded.merge()
     rounding = handle.merge()
     assert rounding["moved"] == handle.selected and rounding["lost"] == 0  # fp32 weights keep every delta
     assert not any("sparse_values" in n for n, _ in model.named_parameters())
@@ -239,3 +240,12 @@ def test_an_exported_empty_delta_starts_sparse_training_on_the_mask(tmp_path):
     for name, mask in maskset.masks.items():
         moved = model.get_parameter(name).detach() != before[name]
         assert torch.equal(moved, mask), f"{name}: moved where the mask is not"
+
+
+def test_casting_the_model_during_sparse_training_is_refused():
+    model = tiny_llama()
+    handle = apply_masks(model, tiny_masks(model), sparse=True)
+    model.to(torch.float64)  # casts the fp32 values too
+    with pytest.raises(FisherSelectError, match="cast the model before"):
+        handle.merge()
+    assert handle.merged and not handle._hooks  # detached all the same: no global hook left behind

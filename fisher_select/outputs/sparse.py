@@ -86,7 +86,13 @@ class _Entry:
 
     def delta(self) -> torch.Tensor:
         """(k,) fp32 ``values - W0[indices]``."""
-        return self.values.detach() - self.base.float()
+        return self.values.detach() - self.base.float().to(self.values.device)
+
+    def follow(self, device) -> torch.Tensor:
+        """The indices on ``device``: after ``model.to(...)`` moved the weight and values, they follow."""
+        if self.indices.device != device:
+            self.indices, self.base = self.indices.to(device), self.base.to(device)
+        return self.indices
 
 
 @dataclass
@@ -120,11 +126,12 @@ class SparseDeltaHandle:
     def sync(self) -> None:
         """Write the current values into the weights (rounded to their dtype)."""
         for e in self.entries:
+            if e.values.dtype != torch.float32:
+                raise FisherSelectError(
+                    f"the sparse values of {e.name} became {e.values.dtype} (model.to(dtype) / .half() casts them "
+                    "too); cast the model before sparse_fine_tune / load_sparse_delta, never during training")
             flat = _flat(e.param, e.name)
-            if e.values.device != flat.device:  # the model moved after sparse_fine_tune
-                e.values.data = e.values.data.to(flat.device)
-                e.indices, e.base = e.indices.to(flat.device), e.base.to(flat.device)
-            flat.index_put_((e.indices,), e.values.detach().to(flat.dtype))
+            flat.index_put_((e.follow(flat.device),), e.values.detach().to(flat.device, flat.dtype))
 
     def deltas(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """name -> (indices, fp32 delta), both 1-D."""
@@ -162,17 +169,22 @@ class SparseDeltaHandle:
         The handle keeps the fp32 values: ``save`` still works after a merge.
         """
         if not self.merged:
-            self.sync()
-            for hook in self._hooks:
-                hook.remove()
-            for module in self._owners:
-                delattr(module, ATTR)
-            for param, flag in self._flags:
-                param.requires_grad_(flag)
-                param.grad = None
-            self._hooks, self._owners, self._flags = [], [], []
-            self.merged = True
+            try:
+                self.sync()
+            finally:  # a refused sync still detaches: no hook may outlive the handle
+                self._detach()
         return self.rounding()
+
+    def _detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for module in self._owners:
+            delattr(module, ATTR)
+        for param, flag in self._flags:
+            param.requires_grad_(flag)
+            param.grad = None
+        self._hooks, self._owners, self._flags = [], [], []
+        self.merged = True
 
     remove = merge  # as ``MaskHandle.remove``: training's result stays, the machinery goes
 
@@ -235,15 +247,18 @@ def _entry(handle, modules, name, param, idx, delta) -> _Entry:
         handle._owners.append(module)
     getattr(module, ATTR)[attr] = values
     param.requires_grad_(True)  # autograd must compute its gradient; the hook drops it at once
-    handle._hooks.append(param.register_post_accumulate_grad_hook(_gather_hook(values, indices)))
-    return _Entry(name, param, indices, values, base)
+    entry = _Entry(name, param, indices, values, base)
+    handle._hooks.append(param.register_post_accumulate_grad_hook(_gather_hook(entry)))
+    return entry
 
 
-def _gather_hook(values: nn.Parameter, indices: torch.Tensor):
+def _gather_hook(entry: _Entry):
     """Move the selected coordinates of a freshly accumulated dense gradient into ``values.grad``."""
+    values = entry.values
 
     def gather(param: torch.Tensor) -> None:
-        part = param.grad.reshape(-1).index_select(0, indices).float()  # (k,)
+        grad = param.grad.reshape(-1)  # (numel,) the weight's dtype
+        part = grad.index_select(0, entry.follow(grad.device)).to(values.device, torch.float32)  # (k,)
         if values.grad is None:
             values.grad = part
         else:
