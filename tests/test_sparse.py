@@ -249,3 +249,12 @@ def test_casting_the_model_during_sparse_training_is_refused():
     with pytest.raises(FisherSelectError, match="cast the model before"):
         handle.merge()
     assert handle.merged and not handle._hooks  # detached all the same: no global hook left behind
+
+
+def test_public_names_and_the_validate_flag():
+    import fisher_select
+    from fisher_select.cli import build_parser
+
+    assert fisher_select.sparse_fine_tune and fisher_select.load_sparse_delta and fisher_select.SparseDeltaHandle
+    args = build_parser().parse_args(["validate", "RUN", "--steps", "1", "--lr", "1e-3", "--sparse-masks"])
+    assert args.sparse_masks

@@ -45,6 +45,9 @@ By default the restore hook is global (``torch.optim`` fires it after the step o
 optimizer, including one created later, e.g. by ``Trainer``); restoring is idempotent, so
 steps of unrelated optimizers only cost a copy. Pass ``optimizer=`` to scope it to one.
 All state lives in the returned ``MaskHandle``; ``handle.remove()`` undoes hooks and freezing.
+
+**Sparse-delta fine-tuning** (``apply_masks(..., sparse=True)`` = ``sparse_fine_tune``): the same
+steps with gradients and optimizer state for the selected coordinates only (``outputs.sparse``).
 """
 
 from __future__ import annotations
