@@ -242,3 +242,36 @@ def test_cli_export_both_formats_and_refusals(tmp_path, capsys):
         run_command(["lora", str(run_dir), "--out", str(tmp_path / "hint.json")])
     assert not (tmp_path / "a.yaml").exists() and not (tmp_path / "p").exists()
     assert math.isclose(sum(m["bound_share"] for m in unfrozen_parameters(run, bound_mass=1.0).modules), 1.0)
+
+
+def test_cli_export_sparse_delta_is_what_load_sparse_delta_trains(tmp_path, capsys):
+    from fisher_select.outputs.masks import save_masks, select_masks
+    from fisher_select.outputs.sparse import load_sparse_delta
+
+    model = tiny_model("llama-tied")
+    run = run_over(model)
+    run_dir = write_run_dir(run, tmp_path / "run")
+    maskset = select_masks(run, top=0.05)
+    mask_path = save_masks(maskset, tmp_path / "m.safetensors")
+    out = tmp_path / "delta"
+    assert run_command(["export", str(run_dir), "--format", "sparse-delta", "--mask", str(mask_path),
+                        "--out", str(out)]) == 0
+    assert "load_sparse_delta" in capsys.readouterr().out
+    handle = load_sparse_delta(model, out)
+    assert handle.selected == maskset.selected
+    for e in handle.entries:  # exactly the mask's coordinates, deltas at 0
+        assert torch.equal(e.indices.long(), maskset.masks[e.name].reshape(-1).nonzero().squeeze(1))
+        assert not e.delta().any()
+    handle.merge()
+    top = tmp_path / "top"
+    assert run_command(["export", str(run_dir), "--format", "sparse-delta", "--top", "0.05", "--out", str(top)]) == 0
+    assert (top / "sparse_delta.safetensors").read_bytes() == (out / "sparse_delta.safetensors").read_bytes()
+    with pytest.raises(FisherSelectError, match="exactly one of --mask"):
+        run_command(["export", str(run_dir), "--format", "sparse-delta", "--out", str(tmp_path / "x")])
+    with pytest.raises(FisherSelectError, match="takes no --top-n"):
+        run_command(["export", str(run_dir), "--format", "sparse-delta", "--top-n", "3", "--out", str(tmp_path / "x")])
+    with pytest.raises(FisherSelectError, match="takes no --mask"):
+        run_command(["export", str(run_dir), "--format", "peft", "--mask", str(mask_path), "--out", str(tmp_path / "x")])
+    other = write_run_dir(run_over(model, seed=1), tmp_path / "other")
+    with pytest.raises(FisherSelectError, match="not from"):
+        run_command(["export", str(other), "--format", "sparse-delta", "--mask", str(mask_path), "--out", str(tmp_path / "y")])

@@ -570,3 +570,26 @@ def test_bf16_lost_counts_updates_below_half_a_bf16_spacing():
     moved = model.weight.detach() - start["weight"]
     direct = ((start["weight"].bfloat16().float() + moved).bfloat16() == start["weight"].bfloat16()) & (moved != 0)
     assert int(direct.sum()) == 2
+
+
+def test_masked_fine_tuning_through_the_sparse_mode_gives_the_dense_results(tmp_path):
+    model, tok, prompts = tiny_model("llama-untied"), DemoTokenizer(64), _prompts(5)
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": p.prompt, "response": f"{5 + i} 7"}) + "\n"
+                             for i, p in enumerate(prompts)))
+    cal = calibrate(model, tok, prompts[:3], SFTDemonstrationsObjective(demos), samples_per_prompt=4,
+                    max_new_tokens=4, progress=False)
+    run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}])
+    reports = {}
+    for sparse in (False, True):
+        setup = Setup(model, tok, SFTDemonstrationsObjective(demos), prompts[:3], prompts[3:], True)
+        options = ValidationConfig(subsample=2000, mask_densities=(0.1,), second_seed=False, adam_aware=False,
+                                   sparse_masks=sparse)
+        reports[sparse] = validate(run, 2, "adamw", 1e-2, weight_decay=0.1, setup=setup, config=options,
+                                   **(SMALL | {"prompts_per_step": 2, "samples_per_prompt": 1})).report
+    dense, sparse = (reports[k]["training_outcome"]["masked_fine_tuning"] for k in (False, True))
+    assert dense["mode"].startswith("dense") and sparse["mode"].startswith("sparse")
+    for a, b in zip(dense["runs"], sparse["runs"]):
+        assert a["mask"] == b["mask"] and a["trainable"] == b["trainable"]
+        assert b["after"] == pytest.approx(a["after"], rel=1e-4)
+        assert a["after"] != dense["before"]  # the masked runs trained

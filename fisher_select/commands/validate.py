@@ -35,6 +35,9 @@ def register(subparsers) -> None:
                         "Spectrum's module choice (at its own density)")
     p.add_argument("--mask-seeds", type=int, default=1, metavar="N",
                    help="repeat each masked fine-tuning (and full fine-tuning) over N seeds: the spread of the share")
+    p.add_argument("--sparse-masks", action="store_true",
+                   help="run the masked fine-tuning through the sparse-delta mode (optimizer state for the selected "
+                        "coordinates only; the same steps as the dense default)")
     p.add_argument("--no-second-seed", action="store_true", help="skip the second run (the seed-to-seed ceiling)")
     p.add_argument("--no-adam-aware", action="store_true", help="skip the Adam-aware ranking")
     p.add_argument("--device", default="cpu")
@@ -50,7 +53,8 @@ def main(args) -> int:
     config = ValidationConfig(subsample=args.subsample, second_seed=not args.no_second_seed,
                                 first_step_prompts=args.first_step_prompts, eval_prompts=args.eval_prompts,
                                 mask_densities=tuple(args.mask_densities),
-                                mask_seeds=args.mask_seeds, adam_aware=not args.no_adam_aware)
+                                mask_seeds=args.mask_seeds, adam_aware=not args.no_adam_aware,
+                                sparse_masks=args.sparse_masks)
     batch = {"prompts_per_step": args.prompts_per_step, "samples_per_prompt": args.samples_per_prompt,
              "batch_size": args.batch_size}
     if args.max_new_tokens is not None:

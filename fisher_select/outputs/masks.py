@@ -45,6 +45,9 @@ By default the restore hook is global (``torch.optim`` fires it after the step o
 optimizer, including one created later, e.g. by ``Trainer``); restoring is idempotent, so
 steps of unrelated optimizers only cost a copy. Pass ``optimizer=`` to scope it to one.
 All state lives in the returned ``MaskHandle``; ``handle.remove()`` undoes hooks and freezing.
+
+**Sparse-delta fine-tuning** (``apply_masks(..., sparse=True)`` = ``sparse_fine_tune``): the same
+steps with gradients and optimizer state for the selected coordinates only (``outputs.sparse``).
 """
 
 from __future__ import annotations
@@ -403,16 +406,22 @@ class MaskHandle:
         self._partials.clear()
 
 
-def apply_masks(model: torch.nn.Module, masks, *, optimizer=None) -> MaskHandle:
+def apply_masks(model: torch.nn.Module, masks, *, optimizer=None, sparse: bool = False):
     """Make coordinates outside ``masks`` immovable during training of ``model``.
 
     ``masks``: dict name -> bool tensor (True = may move), a ``MaskSet``, or a mask file path.
     A mask file or ``MaskSet`` must carry the fingerprint of ``model``; names and shapes must
     match the model's parameters, and every trainable parameter needs a mask. Call before
-    building the optimizer. Returns a ``MaskHandle``.
+    building the optimizer. Returns a ``MaskHandle`` (dense), or with ``sparse=True`` a
+    ``SparseDeltaHandle``: gradients and optimizer state for the selected coordinates only
+    (``fisher_select.outputs.sparse``).
     """
-    masks = resolve_masks(masks, model)
+    masks, meta = _resolve(masks, model)
     params = _check_names(masks, model)
+    if sparse:
+        from fisher_select.outputs.sparse import mask_provenance, sparse_from_masks
+
+        return sparse_from_masks(model, params, masks, optimizer=optimizer, provenance=mask_provenance(meta))
     handle = MaskHandle()
     for name, param in params.items():
         mask = masks[name].to(param.device)
@@ -443,18 +452,28 @@ def _protect(handle: MaskHandle, name: str, param, keep: torch.Tensor) -> None:
     handle.partial.append(name)
 
 
+def sparse_fine_tune(model: torch.nn.Module, masks, *, optimizer=None):
+    """Sparse-delta fine-tuning: ``apply_masks(model, masks, sparse=True)``; see ``outputs.sparse``."""
+    return apply_masks(model, masks, optimizer=optimizer, sparse=True)
+
+
 def resolve_masks(masks, model) -> dict[str, torch.Tensor]:
     """Mask dict from a dict, ``MaskSet`` or file; files and MaskSets are fingerprint-checked."""
+    return _resolve(masks, model)[0]
+
+
+def _resolve(masks, model) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """``(mask dict, its metadata or None for a plain dict)``, fingerprint-checked."""
     if isinstance(masks, (str, os.PathLike)):
         path = os.fspath(masks)
         masks, meta = load_masks(path)
         check_fingerprint(meta["model"]["fingerprint"], model, f"mask file {path}")
-        return masks
+        return masks, meta
     if isinstance(masks, MaskSet):
         check_fingerprint(masks.meta["model"]["fingerprint"], model, f"masks of run {masks.meta['run_id']}")
-        return masks.masks
+        return masks.masks, masks.meta
     if isinstance(masks, dict):
-        return masks
+        return masks, None
     raise FisherSelectError(
         f"masks must be a dict, a MaskSet or a mask file path, not {type(masks).__name__}"
     )
@@ -502,25 +521,36 @@ class FisherMaskCallback(TrainerCallback):
     removed at ``on_train_end`` and put back by the next ``train()``; the fingerprint is checked
     once, on first sight of the model (training changes the weights it samples). Tested with TRL's
     ``GRPOTrainer`` and ``SFTTrainer`` (tests/test_trl.py), with and without gradient checkpointing.
+
+    ``sparse=True``: sparse-delta fine-tuning (``outputs.sparse``) instead: gradients and optimizer
+    state for the selected coordinates only. Applied at ``on_init_end`` the optimizer holds the fp32
+    values (a callback added later would leave them out of it: refused). At ``on_train_end`` the
+    delta is merged into the weights; ``last_handle`` keeps it (``callback.last_handle.save(dir)``).
     """
 
-    def __init__(self, masks):
+    def __init__(self, masks, *, sparse: bool = False):
         self._source = masks
         self._masks: dict[str, torch.Tensor] | None = None
-        self.handle: MaskHandle | None = None
+        self.sparse = sparse
+        self.handle = None  # MaskHandle, or SparseDeltaHandle with sparse=True; None outside train()
+        self.last_handle = None  # the latest handle, kept after train() ends
 
-    def _apply(self, model) -> None:
+    def _apply(self, model, optimizer=None) -> None:
         if self.handle is not None or model is None:
             return
         if self._masks is None:
             self._masks = resolve_masks(self._source, model)
-        self.handle = apply_masks(model, self._masks)
+        if self.sparse and optimizer is not None:
+            raise FisherSelectError("FisherMaskCallback(sparse=True) must be passed to the Trainer's constructor "
+                                    "(callbacks=[...]) and used for one train(): added later, or for a second train() after the first merged "
+                                    "the delta, the optimizer would not hold the sparse values; build a new Trainer")
+        self.handle = self.last_handle = apply_masks(model, self._masks, sparse=self.sparse)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._apply(model)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._apply(model)
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._apply(model, optimizer)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.handle is not None:

@@ -267,20 +267,23 @@ def make_optimizer(params, settings: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
-def train(model, task, settings: TrainConfig, *, masks: dict | None = None, progress: bool = True,
-          desc: str = "training", after_step=None) -> list[dict]:
+def train(model, task, settings: TrainConfig, *, masks: dict | None = None, sparse: bool = False,
+          progress: bool = True, desc: str = "training", after_step=None) -> list[dict]:
     """Train ``model`` in place for ``settings.steps`` steps; one log entry per step.
 
     ``masks`` (name -> bool, True = may move): masked full fine-tuning through ``apply_masks``
-    (masked coordinates stay bit-identical, AdamW's decay and momentum included).
+    (masked coordinates stay bit-identical, AdamW's decay and momentum included); with ``sparse``,
+    through the sparse-delta mode (the same steps, state for the selected coordinates only; the
+    delta is merged into the weights at the end, so movement is measured on the weights as usual).
     ``after_step(step)``, if given, runs after each optimizer step (e.g. to record movement).
     """
     problems = settings.problems()
     if problems:
         raise FisherSelectError("invalid training settings: " + "; ".join(problems))
-    handle = apply_masks(model, masks) if masks is not None else None
+    handle = apply_masks(model, masks, sparse=sparse) if masks is not None else None
     try:
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = handle.parameters() if sparse and handle is not None else [
+            p for p in model.parameters() if p.requires_grad]
         optimizer = make_optimizer(params, settings)
         streams = Streams.from_seed(settings.seed, next(model.parameters()).device)
         log = []

@@ -58,6 +58,7 @@ class ValidationConfig:
     eval_prompts: int = 8  # held-out prompts after the calibration's, for the training outcome
     mask_densities: tuple[float, ...] = ()  # masked fine-tuning: fisher / random / magnitude at these, + Spectrum
     mask_seeds: int = 1  # masked fine-tuning repeated over seeds seed .. seed + n - 1: its spread over seeds
+    sparse_masks: bool = False  # masked fine-tuning through the sparse-delta mode (outputs.sparse), as users run it
     adam_aware: bool = True
 
 
@@ -253,7 +254,8 @@ class _Validation:
         self.model.zero_grad(set_to_none=True)
         return out
 
-    def _train(self, seed: int, label: str, masks: dict | None = None, record_steps: bool = False) -> dict:
+    def _train(self, seed: int, label: str, masks: dict | None = None, record_steps: bool = False,
+               sparse: bool = False) -> dict:
         """One training run from theta_0; its log, held-out outcome and reduced movement."""
         load_snapshot(self.model, self.theta0)
         settings = dataclasses.replace(self.settings, seed=seed)
@@ -262,7 +264,7 @@ class _Validation:
         def record(step: int) -> None:
             by_step.append(self.sub.take(LazyMovement(self.model, self.theta0)))
 
-        log = train(self.model, self.task, settings, masks=masks, progress=self.progress, desc=label,
+        log = train(self.model, self.task, settings, masks=masks, sparse=sparse, progress=self.progress, desc=label,
                     after_step=record if record_steps else None)
         self.logs[label] = log
         after = self.task.evaluate(self.setup.eval_prompts, self.settings.seed + EVAL_STREAM, settings.batch_size)
@@ -302,6 +304,7 @@ class _Validation:
         spectrum = {n: torch.full(t.shape, module_of(n) in chosen) for n, t in self.theta0.items()}
         runs.append(self._mask_runs("spectrum", lambda s: spectrum, seeds, before, full))
         return {"before": before, "full_fine_tuning": main["after"], "seed": self.settings.seed, "seeds": seeds,
+                "mode": "sparse delta (outputs.sparse)" if self.options.sparse_masks else "dense (apply_masks)",
                 "full_fine_tuning_per_seed": [full[s] for s in seeds],
                 "recovered": "(after_mask - before) / (after_full - before) of the held-out objective, per seed "
                              "against full fine-tuning with the same seed; 'after' and 'recovered' are means over seeds",
@@ -319,7 +322,8 @@ class _Validation:
         for s in seeds:
             mask = mask_for(s)
             trainable = sum(int(m.sum()) for m in mask.values())
-            after = self._train(s, f"mask {rule} {trainable / self.sub.total:.3g} seed {s}", mask)["after"]
+            after = self._train(s, f"mask {rule} {trainable / self.sub.total:.3g} seed {s}", mask,
+                                sparse=self.options.sparse_masks)["after"]
             per_seed.append({"seed": s, "after": after, "full_fine_tuning": full[s],
                              "recovered": recovered_share(before, after, full[s])})
         shares = [r["recovered"] for r in per_seed if r["recovered"] is not None]
