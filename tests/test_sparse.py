@@ -256,5 +256,6 @@ def test_public_names_and_the_validate_flag():
     from fisher_select.cli import build_parser
 
     assert fisher_select.sparse_fine_tune and fisher_select.load_sparse_delta and fisher_select.SparseDeltaHandle
-    args = build_parser().parse_args(["validate", "RUN", "--steps", "1", "--lr", "1e-3", "--sparse-masks"])
+    argv = ["validate", "RUN", "--steps", "1", "--lr", "1e-3", "--sparse-masks"]
+    args = build_parser(argv).parse_args(argv)
     assert args.sparse_masks
