@@ -312,7 +312,8 @@ def test_report_json_markdown_and_summary(tiny_runs):
     assert md.index("do not promise") < md.index("## Objectives") and "sum of sqrt(F)" in md
     report = load_run(tiny_runs[0]).report
     short, full = summary_lines(report), summary_lines(report, top=None)
-    assert short[0].startswith("Caveat:") and "--all" in "\n".join(short)
+    assert short[3].startswith("Caveat:")  # right after the three verdict lines
+    assert "--all" in "\n".join(short)
     assert len(full) - len(short) == len(report.modules) - 15
 
 
@@ -359,3 +360,30 @@ def test_html_renders_in_headless_chromium_without_console_errors(tiny_runs, tmp
                           "--run-all-compositor-stages-before-draw", "--virtual-time-budget=5000",
                           "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
     assert dom.count("data:image/png;base64,") == len(PLOTS)
+
+
+def test_every_plot_labels_both_axes(tiny_runs, monkeypatch):
+    from fisher_select.report import plots
+
+    drawn = []
+    real_uri = plots._uri
+    monkeypatch.setattr(plots, "_uri", lambda fig: drawn.append(fig) or real_uri(fig))
+    run = load_run(tiny_runs[0])
+    assert {p.key for p in plots.all_plots(run.report)} == PLOTS
+    for fig in drawn:
+        for ax in fig.axes:
+            if getattr(ax, "_colorbar", None) is None:  # a colorbar carries its own label
+                assert ax.get_xlabel() and ax.get_ylabel(), (fig.axes[0].get_title(), ax.get_xlabel())
+
+
+def test_verdict_comes_first_and_names_modules_certainty_and_advice(tiny_runs):
+    run = load_run(tiny_runs[0])
+    lines = summary_lines(run.report)
+    assert lines[0].startswith("What to train:") and lines[1].startswith("How sure:")
+    assert lines[2].startswith("What to change:")
+    top = sorted(run.report.modules, key=lambda m: (-m.bound_mass, m.name))[0]
+    assert top.name in lines[0] and "S = " in lines[1] and "split halves" in lines[1]
+    md = (tiny_runs[0] / "report.md").read_text()
+    html = (tiny_runs[0] / "report.html").read_text()
+    assert md.index("## Verdict") < md.index("## What these numbers do not promise")
+    assert html.index("Verdict") < html.index("What these numbers do not promise")

@@ -7,7 +7,7 @@ from pathlib import Path
 from fisher_select.report import validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
-                                       ranked_modules, scale_text, uncertainty_of)
+                                       ranked_modules, scale_text, uncertainty_of, verdict_lines)
 from fisher_select.rundir import RunReport
 
 TOP_MODULES = 30
@@ -21,7 +21,8 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def markdown_text(report: RunReport, validations=()) -> str:
     stats = ReportStatistics.from_json(report.statistics)
-    out = [f"# fisher_select run {report.run_id}", "", "## What these numbers do not promise", ""]
+    out = [f"# fisher_select run {report.run_id}", "", "## Verdict", ""] + [f"- {v}" for v in verdict_lines(report)]
+    out += ["", "## What these numbers do not promise", ""]
     out += [f"- {c}" for c in caveat_block(report)]
     if report.warnings:
         out += ["", "## Warnings about this run", ""] + [f"- {w}" for w in report.warnings]

@@ -14,7 +14,7 @@ from pathlib import Path
 from fisher_select.report import plots, validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
-                                       ranked_modules)
+                                       ranked_modules, verdict_lines)
 from fisher_select.rundir import RunReport
 
 TOP_MODULES = 30
@@ -24,6 +24,7 @@ _STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em au
 table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{padding:2px 8px;border-bottom:1px solid #ddd;
 text-align:left;vertical-align:top}th{background:#f4f4f4}.num{text-align:right;font-variant-numeric:tabular-nums}
 .caveat{background:#fff4e5;border-left:4px solid #f0a020;padding:.5em 1em;margin:1em 0}
+.verdict{background:#e8f4ea;border-left:4px solid #2e8b57;padding:.5em 1em;margin:1em 0}
 .warn{background:#fdecea;border-left:4px solid #d93025;padding:.5em 1em;margin:1em 0}
 figure{margin:1.5em 0}figcaption{font-size:13px;color:#555}img{max-width:100%}
 pre{background:#f7f7f7;padding:.5em;overflow:auto;font-size:12px}"""
@@ -54,6 +55,7 @@ def page_html(report: RunReport, samples: list[dict], validations=()) -> str:
     stats = ReportStatistics.from_json(report.statistics)
     figures = plots.all_plots(report)
     body = [f"<h1>fisher_select run {_e(report.run_id)}</h1>",
+            f'<div class="verdict"><b>Verdict</b>{_list(verdict_lines(report))}</div>',
             f'<div class="caveat"><b>What these numbers do not promise</b>{_list(caveat_block(report))}</div>']
     if report.warnings:
         body.append(f'<div class="warn"><b>Warnings about this run</b>{_list(report.warnings)}</div>')

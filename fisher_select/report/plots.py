@@ -82,6 +82,7 @@ def objectives_plot(report: RunReport, stats: ReportStatistics) -> Plot | None:
     else:
         ax.set_xscale("log")
     ax.set_xlabel("signal scale S (95% bootstrap interval over prompts)")
+    ax.set_ylabel("objective")
     ax.grid(True, which="both", axis="x", alpha=0.3)
     return Plot("scales", "Signal scale S per objective", "Point: S; bar: the 95% BCa bootstrap interval over "
                 "prompts. The bound sqrt(F S) scales with sqrt(S).", _uri(fig))
@@ -101,6 +102,7 @@ def modules_plot(report: RunReport) -> Plot | None:
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(LogFormatterSciNotation())
     ax.set_xlabel("share of the model's total")
+    ax.set_ylabel("module")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="major", axis="x", alpha=0.3)
     return Plot("modules", f"Top {len(mods)} modules by sum of sqrt(F)",
@@ -130,6 +132,7 @@ def bounds_plot(report: RunReport) -> Plot | None:
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("bound on |expected gradient| per coordinate, sqrt(F S)")
+    ax.set_ylabel("module")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="major", axis="x", alpha=0.3)
     return Plot("bounds", "Bound per module", "Mean over the module's coordinates of sqrt(F S) per objective "
@@ -166,6 +169,7 @@ def heatmap_plot(report: RunReport) -> Plot | None:
     ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
     ax.set_xticks(range(len(layers)), [str(i) for i in layers], fontsize=7)
     ax.set_xlabel("layer")
+    ax.set_ylabel("module type")
     fig.colorbar(image, ax=ax, label="sum of sqrt(F) (log scale)")
     return Plot("heatmap", "Layer x module type", "Sum of sqrt(F) per layer and module type, log color scale "
                 "(blank: no such module, or F = 0).", _uri(fig))
@@ -189,6 +193,7 @@ def layers_plot(report: RunReport) -> Plot | None:
     ax.set_xticks(x, [str(i) for i in layers], fontsize=7)
     ax.set_yscale("log")
     ax.set_xlabel("layer")
+    ax.set_ylabel("module mass summed over the layer (log scale)")
     ax.legend(fontsize=8)
     ax.grid(True, which="major", axis="y", alpha=0.3)
     return Plot("layers", "Per layer", "Sum over each layer's modules (embeddings, final norm and head are not in "

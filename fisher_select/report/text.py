@@ -15,6 +15,8 @@ HEAVY_WEIGHT_SHARE = 0.5  # SFT: one sample carries more than half a prompt's im
 LOW_ESS_FRACTION = 0.5  # SFT: effective sample size below half of K
 SCALE_RATIO = 10.0  # objectives whose S differ by more than this factor
 TRUNCATION_CAVEAT = 0.1
+VERDICT_MODULES = 5  # modules the verdict names
+SILENT_PROMPTS_ADVICE = 0.5  # more than this share of prompts without signal: say what to change
 
 
 def fmt(x, digits: int = 3) -> str:
@@ -149,9 +151,9 @@ def module_rows(report: RunReport, top: int) -> tuple[str, list[str]]:
 
 
 def run_summary_lines(report: RunReport, top: int | None = 15) -> list[str]:
-    """The summary the CLI prints: caveats with the run's numbers first, then the run, its statistics,
+    """The summary the CLI prints: the verdict, the caveats with the run's numbers beside it, then the run, its statistics,
     the ``top`` modules by bound mass, sum of sqrt(F) (None: all) and the warnings."""
-    lines = caveat_block(report, short=True)
+    lines = verdict_lines(report) + caveat_block(report, short=True)
     lines.append(f"run {report.run_id}  model {report.model.name}  "
                  f"{report.num_prompts} prompts x {report.samples_per_prompt} samples, "
                  f"truncated {report.truncation_rate:.0%}")
@@ -164,3 +166,45 @@ def run_summary_lines(report: RunReport, top: int | None = 15) -> list[str]:
     lines += ["  " + header] + ["  " + r for r in rows]
     lines += [f"warning: {w}" for w in report.warnings]
     return lines
+
+
+def verdict_lines(report: RunReport) -> list[str]:
+    """The answer first: what to train, how sure that is, and what to change if it is weak."""
+    stats = ReportStatistics.from_json(report.statistics)
+    return [_what_to_train(report), _how_sure(report, stats), _what_to_change(report, stats)]
+
+
+def _what_to_train(report: RunReport) -> str:
+    top = ranked_modules(report)[:VERDICT_MODULES]
+    if not top:
+        return "What to train: no module has a parameter in this run."
+    names = ", ".join(f"{m.name} ({pct(m.bound_share)})" for m in top)
+    return (f"What to train: the modules with the most bound mass (sum of sqrt(F)) are {names}; together "
+            f"{pct(sum(m.bound_share for m in top))} of it. As a mask: `fisher-select select RUN --top 0.01 "
+            f"--out MASK.safetensors`; as LoRA targets and ranks: `fisher-select lora RUN --out DIR`.")
+
+
+def _how_sure(report: RunReport, stats: ReportStatistics) -> str:
+    parts = [scale_text(o, uncertainty_of(stats, o.name)) for o in report.objectives[:1]]
+    s = stats.stability
+    parts.append(f"split halves: {s.message}" if s is not None else "split halves: not measured")
+    parts.append(f"truncated at max_new_tokens: {pct(report.truncation_rate)}")
+    return "How sure: " + "; ".join(parts) + "."
+
+
+def _what_to_change(report: RunReport, stats: ReportStatistics) -> str:
+    advice = []
+    if report.truncation_rate > TRUNCATION_CAVEAT:
+        advice.append(f"raise --max-new-tokens (now {report.max_new_tokens}): "
+                      f"{pct(report.truncation_rate)} of responses were cut")
+    u = uncertainty_of(stats, report.objectives[0].name) if report.objectives else None
+    if u is not None and u.num_prompts and u.prompts_without_signal / u.num_prompts > SILENT_PROMPTS_ADVICE:
+        advice.append(f"use prompts whose rewards vary, or more --samples-per-prompt: {u.prompts_without_signal} "
+                      f"of {u.num_prompts} prompts carried no signal")
+    s = stats.stability
+    if s is not None and s.verdict != "stable":
+        more = f" (about {s.prompts_suggested} in all)" if s.prompts_suggested else ""
+        advice.append(f"calibrate on more prompts{more}: the split halves do not agree yet")
+    if not advice:
+        return "What to change: nothing this report flags."
+    return "What to change: " + "; ".join(advice) + "."
