@@ -24,7 +24,7 @@ from fisher_select.report.statistics import (ReportStatistics, bound_ratio, conc
                                              scale_uncertainty, signal_diagnostics)
 from fisher_select.report.warnings import run_warnings
 from fisher_select.rundir import (HTML_FILE, MARKDOWN_FILE, REPORT_FILE, SAMPLES_FILE, ModelInfo, ModuleEntry,
-                                  ObjectiveEntry, RunReport, grad_file_for, load_run, new_run_id, read_samples,
+                                  ObjectiveEntry, RunReport, grad_file_for, load_run, load_run_report, new_run_id, read_samples,
                                   read_tensors, utc_now, write_json, write_run_files)
 from fisher_select.stats.naming import module_of
 from fisher_select.version import __version__
@@ -120,19 +120,26 @@ def refresh_report(run, grads: list[dict | None], samples: list[dict]) -> RunRep
     return report
 
 
-def regenerate(path: "str | Path") -> list[Path]:
-    """report.json, report.md and report.html of a run directory again, from its files (no sampling, no
-    scoring); each file is replaced atomically. Returns the paths written."""
-    run = load_run(path)
-    grads = [_load_grad(run.path / e.grad_file) for e in run.report.objectives]
-    samples_file = run.path / SAMPLES_FILE
+def regenerate(path: "str | Path", recompute: bool = False) -> list[Path]:
+    """report.json, report.md and report.html of a run directory again (no sampling, no scoring); each
+    file is replaced atomically. Returns the paths written.
+
+    By default the pages are redrawn from report.json (every plot is drawn from its statistics), so no
+    tensor is read; ``recompute`` first recomputes the statistics from the run's tensors and samples."""
+    path = Path(path)
+    samples_file = path / SAMPLES_FILE
     samples = read_samples(samples_file) if samples_file.is_file() else []
-    report = refresh_report(run, grads, samples)
-    checked = validation_section.load_validations(run.path)  # what `fisher-select validate` measured, if anything
+    if recompute:
+        run = load_run(path)
+        report = refresh_report(run, [_load_grad(path / e.grad_file) for e in run.report.objectives], samples)
+    else:
+        report = load_run_report(path)
+        report.warnings = run_warnings(report)
+    checked = validation_section.load_validations(path)  # what `fisher-select validate` measured, if anything
     writers = {REPORT_FILE: lambda tmp: write_json(tmp, report.to_json()),
                MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report, checked),
                HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples, validations=checked)}
-    return [write_file(run.path / name, writer, overwrite=True) for name, writer in writers.items()]
+    return [write_file(path / name, writer, overwrite=True) for name, writer in writers.items()]
 
 
 def _load_grad(path: Path) -> dict | None:

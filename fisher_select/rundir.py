@@ -353,15 +353,21 @@ def load_run(run: "str | os.PathLike | Run") -> Run:
     if isinstance(run, Run):
         return run
     path = Path(run)
+    report = load_run_report(path)
+    token = path / TOKEN_FISHER_FILE
+    return Run(report=report, fisher=read_tensors(path / FISHER_FILE), path=path,
+               token_fisher=read_tensors(token) if token.is_file() else None)
+
+
+def load_run_report(path: "str | os.PathLike") -> RunReport:
+    """A run directory's report alone: no tensor is read (what redrawing the pages needs)."""
+    path = Path(path)
     report_path = path / REPORT_FILE
     if not report_path.is_file() or not (path / FISHER_FILE).is_file():
         raise FisherSelectError(
             f"{path} is not a fisher_select run directory (no {REPORT_FILE} / {FISHER_FILE}); "
             "pass the --out directory of `fisher-select calibrate`")
-    report = RunReport.from_json(read_json(report_path), str(report_path))
-    token = path / TOKEN_FISHER_FILE
-    return Run(report=report, fisher=read_tensors(path / FISHER_FILE), path=path,
-               token_fisher=read_tensors(token) if token.is_file() else None)
+    return RunReport.from_json(read_json(report_path), str(report_path))
 
 
 # Format 2 -> 3: the module masses got one name each (fisher_mass / bound_mass, never "mass").

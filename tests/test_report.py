@@ -324,13 +324,29 @@ def test_off_policy_verdict_becomes_a_warning(tiny_runs):
     assert any(w.startswith("score-mean check: 0.9%") for w in run_warnings(report))
 
 
-def test_report_command_regenerates_the_same_report(tiny_runs, tmp_path):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_report_command_regenerates_the_same_report(tiny_runs, tmp_path, recompute):
     copy = shutil.copytree(tiny_runs[0], tmp_path / "copy")
     before = (copy / "report.json").read_text()
     (copy / "report.html").unlink()
-    written = regenerate(copy)
+    written = regenerate(copy, recompute=recompute)
     assert {p.name for p in written} == {"report.json", "report.md", "report.html"}
     assert (copy / "report.json").read_text() == before and (copy / "report.html").is_file()
+
+
+def test_redrawing_the_report_reads_no_tensor(tiny_runs, tmp_path, monkeypatch):
+    import fisher_select.run_report as run_report
+    import fisher_select.rundir as rundir
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor file was read")
+
+    copy = shutil.copytree(tiny_runs[0], tmp_path / "copy")
+    monkeypatch.setattr(rundir, "read_tensors", refuse)
+    monkeypatch.setattr(run_report, "read_tensors", refuse)
+    assert (copy / "report.html") in regenerate(copy)
+    with pytest.raises(AssertionError, match="tensor file was read"):
+        regenerate(copy, recompute=True)
 
 
 def test_compare_two_seeds(tiny_runs):

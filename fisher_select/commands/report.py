@@ -6,18 +6,21 @@ from fisher_select.commands import HELP, add_command
 
 
 def register(subparsers) -> None:
-    add_command(
+    p = add_command(
         subparsers, "report", main, help=HELP["report"],
-        description="Recompute the report's statistics from the run's files (F, gradient estimates, S, samples, "
-                    "per-prompt scale terms) and redraw the pages; nothing is sampled or scored again. Statistics "
-                    "that need the sampling pass (score-mean check, split halves, per-batch spread) are kept "
-                    "as written. Each file is replaced atomically.",
+        description="Redraw report.md and report.html (and rewrite report.json) from the run's report.json: "
+                    "no tensor is read, nothing is sampled or scored again. With --recompute, the statistics are "
+                    "first recomputed from the run's files (F, gradient estimates, S, samples, per-prompt scale "
+                    "terms); those that need the sampling pass (score-mean check, split halves, per-batch spread) "
+                    "are kept as written. Each file is replaced atomically.",
         run_help="a run directory (the --out of `fisher-select calibrate`)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute the statistics from the run's tensors first (reads every tensor file)")
 
 
 def main(args) -> int:
     from fisher_select.run_report import regenerate
 
-    for path in regenerate(args.run):
+    for path in regenerate(args.run, recompute=args.recompute):
         print(f"wrote {path}")
     return 0
