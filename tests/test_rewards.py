@@ -11,6 +11,7 @@ from fisher_select.calibration.rewards import (
     last_number,
     load_callable,
     make_reward,
+    numeric_closeness,
     numeric_match,
     regex_match,
 )
@@ -82,6 +83,27 @@ def test_numeric_match_reports_missing_or_bad_answer():
         numeric_match()(rec(answer="many"), "42")
     with pytest.raises(FisherSelectError, match="not a number"):
         numeric_match()(rec(answer=True), "1")
+
+
+@pytest.mark.parametrize("answer,text,expected", [
+    (14, "14", 1.0),                      # right
+    (14, "7 + 7 = 15", 0.5),              # the last number counts: one off
+    (3, "Gus has 11 and gives 8: 13", 1 / 11),
+    (20, "twenty", 0.0),                  # no number written
+    (-3, "-5", 1 / 3),
+    (2.5, "It is 3.", 1 / 1.5),
+])
+def test_numeric_closeness_on_hand_checked_responses(answer, text, expected):
+    assert numeric_closeness()(rec(answer=answer), text) == pytest.approx(expected, rel=1e-12)
+
+
+def test_numeric_closeness_from_a_spec_and_its_errors():
+    reward = make_reward({"type": "numeric_closeness", "answer_field": "target"})
+    assert reward(rec(target=10), "I think 8") == pytest.approx(1 / 3)
+    with pytest.raises(FisherSelectError, match='no "answer" field for numeric_closeness'):
+        numeric_closeness()(rec(), "42")
+    with pytest.raises(FisherSelectError, match="unknown keys"):
+        make_reward({"type": "numeric_closeness", "pattern": "x"})
 
 
 # --- regex_match -----------------------------------------------------------------------

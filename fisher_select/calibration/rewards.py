@@ -1,6 +1,7 @@
 """Reward functions: ``fn(record, response_text) -> float``.
 
-Built-ins cover the common checks (last number equals the answer, a regex matches);
+Built-ins cover the common checks (last number equals the answer, or how close it is; a regex
+matches);
 anything else is a user callable named ``module:function``.
 """
 
@@ -50,6 +51,23 @@ def numeric_match(answer_field: str = "answer") -> RewardFn:
     return reward
 
 
+def numeric_closeness(answer_field: str = "answer") -> RewardFn:
+    """``1 / (1 + |n - answer|)`` for the response's last number n, 0.0 when it has none.
+
+    A graded reward: 1 for the right answer, 1/2 for one off, 1/11 for ten off. A small model that
+    is rarely exactly right still gets rewards that vary within a prompt's samples, so almost every
+    prompt carries an RL signal (with ``numeric_match`` most prompts' rewards are all 0).
+    """
+
+    def reward(record: PromptRecord, text: str) -> float:
+        expected = _numeric_answer(record, answer_field, "numeric_closeness")
+        got = last_number(text)
+        return 0.0 if got is None else 1.0 / (1.0 + abs(got - expected))
+
+    reward.__name__ = f"numeric_closeness[{answer_field}]"
+    return reward
+
+
 def _required_field(record: PromptRecord, name: str, reward: str):
     """The prompt's field ``name``, which the reward compares with; every line needs it."""
     if name not in record.fields:
@@ -57,8 +75,8 @@ def _required_field(record: PromptRecord, name: str, reward: str):
     return record.fields[name]
 
 
-def _numeric_answer(record: PromptRecord, field: str) -> float:
-    value = _required_field(record, field, "numeric_match")
+def _numeric_answer(record: PromptRecord, field: str, reward: str = "numeric_match") -> float:
+    value = _required_field(record, field, reward)
     try:
         if isinstance(value, bool):
             raise ValueError
@@ -134,6 +152,7 @@ def load_callable(spec: str) -> Callable:
 
 _SPEC_KEYS = {
     "numeric_match": ({"answer_field"}, lambda s: numeric_match(s.get("answer_field", "answer"))),
+    "numeric_closeness": ({"answer_field"}, lambda s: numeric_closeness(s.get("answer_field", "answer"))),
     "regex": ({"pattern", "field"}, lambda s: regex_match(_required(s, "pattern"), s.get("field"))),
     "callable": ({"function", "timeout"},
                  lambda s: with_timeout(load_callable(_required(s, "function")), _timeout(s))),
