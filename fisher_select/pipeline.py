@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from fisher_select.calibration.prompts import load_prompts
 from fisher_select.calibration.rollouts import load_rollouts
 from fisher_select.calibration.sampling import SamplingConfig
 from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
+from fisher_select.errors import DegenerateResultWarning
 from fisher_select.distributed import init_from_env, rank_world
 from fisher_select.models import fingerprint, load_model
 from fisher_select.run_report import build_report, write_run
@@ -51,8 +53,10 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     check_writable(out.parent, run_bytes(model_fingerprint["num_parameters"], len(objectives)))
     ckpt = CheckpointConfig(checkpoint_folder(out), recipe.checkpoint_every, resume, discard_existing=overwrite,
                             model_id=model_fingerprint["id"], keep_when_done=True)
-    cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
-                    progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt)
+    with warnings.catch_warnings():  # the run's report and summary say S = 0 (report.warnings): not twice
+        warnings.simplefilter("ignore", DegenerateResultWarning)
+        cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
+                        progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt)
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
     settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,

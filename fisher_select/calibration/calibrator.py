@@ -9,6 +9,7 @@ the plain score sums. At the end everything is divided by the number of samples.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -16,9 +17,10 @@ from tqdm.auto import tqdm
 
 from fisher_select.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
                                                    rank_world, seed_for_rank, shard)
+from fisher_select.caveats import ZERO_SCALE_WARNING
 from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage, score_sums
 from fisher_select.engine.memory import MemoryMode
-from fisher_select.errors import FisherSelectError
+from fisher_select.errors import DegenerateResultWarning, FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
 from fisher_select.calibration.settings import CalibrationConfig
@@ -60,6 +62,7 @@ class Calibration(BoundsView):
     checks: dict = field(default_factory=dict)
     token_fisher: dict[str, torch.Tensor] | None = None  # F^tok, when a token-level objective ran
     diagnostics: "CalibrationDiagnostics | None" = None  # what the report's uncertainty and stability need
+    warnings: list[str] = field(default_factory=list)  # degenerate results, one line each (also warnings.warn)
 
     @property
     def grad_estimate(self) -> dict[str, torch.Tensor]:
@@ -117,10 +120,22 @@ def calibrate(
     model.eval()
     try:
         with guard_model(model):  # layers stay differentiable while sampling (bitsandbytes)
-            return _Calibrator(model, tokenizer, objectives, config, progress, verify, rollouts=rollouts,
-                               checkpoint=checkpoint).execute(prompts)
+            cal = _Calibrator(model, tokenizer, objectives, config, progress, verify, rollouts=rollouts,
+                              checkpoint=checkpoint).execute(prompts)
     finally:
         model.train(was_training)
+    _warn_degenerate(cal)
+    return cal
+
+
+def _warn_degenerate(cal: Calibration) -> None:
+    """S = 0 for an objective with a known scale: every bound is 0. Said in ``cal.warnings`` and once through
+    ``warnings.warn``, since a Python caller may never write or read a report."""
+    for o in cal.objectives:
+        if o.signal_scale == 0.0:
+            cal.warnings.append(f"({o.name}) {ZERO_SCALE_WARNING}")
+    if cal.warnings:
+        warnings.warn("; ".join(cal.warnings), DegenerateResultWarning, stacklevel=3)
 
 
 def check_inputs(prompts, objectives, k, sampling: SamplingConfig | None) -> None:
