@@ -9,6 +9,7 @@ the plain score sums. At the end everything is divided by the number of samples.
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ def calibrate(
     verify: bool = True,
     rollouts: Rollouts | None = None,
     checkpoint: CheckpointConfig | None = None,
+    log=None,
     **fields,
 ) -> Calibration:
     """Estimate the model Fisher from the model's own samples and each objective's signal scale.
@@ -108,6 +110,8 @@ def calibrate(
     and K replace ``prompts`` and ``samples_per_prompt`` (``checks["rollouts"]``: the on-policy check).
     ``checkpoint``: write the state every ``checkpoint.every`` batches and, with ``resume``, continue from
     the newest checkpoint (``calibration.checkpoint``; bit-identical to an uninterrupted pass on the CPU).
+    ``log(line)``: called once per phase (sampling done, scoring done, checks) with its numbers, for runs
+    without progress bars (``calibrate --no-progress``).
     """
     config = CalibrationConfig.with_fields(config, fields)
     objectives = objective if isinstance(objective, list) else [objective]
@@ -121,7 +125,7 @@ def calibrate(
     try:
         with guard_model(model):  # layers stay differentiable while sampling (bitsandbytes)
             cal = _Calibrator(model, tokenizer, objectives, config, progress, verify, rollouts=rollouts,
-                              checkpoint=checkpoint).execute(prompts)
+                              checkpoint=checkpoint, log=log).execute(prompts)
     finally:
         model.train(was_training)
     _warn_degenerate(cal)
@@ -178,7 +182,9 @@ class _Calibrator:
     """State of one calibration pass (accumulators, generator, progress bars)."""
 
     def __init__(self, model, tokenizer, objectives, config: CalibrationConfig, progress: bool, verify: bool,
-                 rollouts: Rollouts | None = None, checkpoint: CheckpointConfig | None = None):
+                 rollouts: Rollouts | None = None, checkpoint: CheckpointConfig | None = None, log=None):
+        self.log = log or (lambda line: None)
+        self.clock = {"sampling": 0.0, "scoring": 0.0, "tokens": 0, "samples": 0}  # this process's phases
         self.model, self.tokenizer, self.objectives, self.config = model, tokenizer, objectives, config
         self.seed, self.rollouts, self.checkpoint = config.seed, rollouts, checkpoint
         self.ckpt: Checkpointer | None = None
@@ -218,6 +224,7 @@ class _Calibrator:
             self.checks["rollouts"] = {**self.rollouts.describe(), **mismatch_summary(self.samples)}
         split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
         cal = self._result(len(all_prompts), extra)
+        self._log_phases()
         cal.diagnostics = calibration_diagnostics(self.stats, self.stability, split)
         cal.diagnostics.conformity = self.conformity
         if self.ckpt is not None and not self.checkpoint.keep_when_done:
@@ -247,13 +254,33 @@ class _Calibrator:
         with bar_s, bar_f:
             for b in range(done, len(starts)):
                 i = starts[b]
+                started = time.perf_counter()
                 groups = self._groups(prompts[i : i + self.groups_per_batch], rendered[i : i + self.groups_per_batch])
+                self._timed("sampling", started, tokens=sum(len(y) for g in groups for y in g.responses))
                 bar_s.update(len(groups) * self.k)
                 batch = self._batch(groups, self._signals(groups))
+                started = time.perf_counter()
                 self._score(batch)
+                self._timed("scoring", started, samples=len(groups) * self.k)
                 bar_f.update(len(groups) * self.k)
                 if self.ckpt is not None and self.ckpt.due(b + 1, len(starts)):
                     self.ckpt.save(b + 1, *capture(self), self.samples)
+
+    def _timed(self, phase: str, started: float, **counts) -> None:
+        self.clock[phase] += time.perf_counter() - started
+        for key, n in counts.items():
+            self.clock[key] += n
+
+    def _log_phases(self) -> None:
+        """One line per phase (``log``): sampling with tokens/s, scoring with samples/s, the checks."""
+        c = self.clock
+        what = "read rollouts" if self.rollouts is not None else "sampling done"
+        self.log(f"{what}: {c['tokens']:,} response tokens in {c['sampling']:.1f}s "
+                 f"({c['tokens'] / max(c['sampling'], 1e-9):,.0f} tokens/s)")
+        self.log(f"scoring done: {c['samples']:,} samples in {c['scoring']:.1f}s "
+                 f"({c['samples'] / max(c['scoring'], 1e-9):,.1f} samples/s)")
+        checks = [f"{name} {_check_word(value)}" for name, value in self.checks.items() if name != "memory"]
+        self.log("checks: " + (", ".join(checks) if checks else "none ran"))
 
     def _resume(self, rendered: list[list[int]]) -> int:
         """Prompt batches already done: restored from the newest checkpoint (0 without one)."""
@@ -424,6 +451,16 @@ class _Calibrator:
         if self.token is not None:
             cal.token_fisher = self.token.fisher()
         return cal
+
+
+def _check_word(value) -> str:
+    """A check's headline for the phase line: its verdict, else its largest error, else its count."""
+    if isinstance(value, dict):
+        if "verdict" in value:
+            return str(value["verdict"])
+        if "max_relative_error" in value:
+            return f"ok (max relative error {value['max_relative_error']:.1e})"
+    return str(value)
 
 
 def verify_against_autograd(model, input_ids, attention_mask, response_mask, sums: ScoreSums, cov: Coverage) -> dict:
