@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.tiny import run_command
 
@@ -26,3 +27,92 @@ def test_no_progress_prints_one_line_per_phase_on_stderr(tmp_path, small_llama_d
     assert [next(s for s in starts if line.startswith(s)) for line in lines] == starts, err
     assert "tokens/s" in lines[1] and "samples/s" in lines[2] and "autograd ok" in lines[3]
     assert lines[4] == f"written: {tmp_path / 'run'}"
+
+
+def test_calibrate_refuses_before_sampling_when_the_estimate_exceeds_the_memory(tmp_path, small_llama_dir, capsys,
+                                                                                 monkeypatch):
+    from fisher_select.calibration import calibrator
+    from fisher_select.cli import main
+
+    monkeypatch.setenv("FISHER_SELECT_MEMORY_LIMIT", "100000")  # 100 kB: nothing fits
+    monkeypatch.setattr(calibrator, "sample_responses", lambda *a, **k: pytest.fail("sampled before refusing"))
+    out = tmp_path / "run"
+    code = main(["calibrate", "--recipe", _recipe(tmp_path, small_llama_dir), "--out", str(out),
+                 "--samples-per-prompt", "2", "--max-new-tokens", "4", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and not out.exists()
+    assert "this calibration needs about " in err and "but only 0.00 GiB is available on cpu " in err
+    assert "(FISHER_SELECT_MEMORY_LIMIT)" in err and "accumulators " in err and "sampling " in err
+    for flag in ("--batch-size", "--accumulators gradient or fisher", "--accumulate-on cpu", "--samples-per-prompt",
+                 "--num-prompts"):
+        assert flag in err, flag
+
+
+def test_a_bad_memory_limit_is_one_clear_error(monkeypatch):
+    from fisher_select.calibration.budget import available_memory
+    from fisher_select.errors import FisherSelectError
+
+    monkeypatch.setenv("FISHER_SELECT_MEMORY_LIMIT", "lots")
+    with pytest.raises(FisherSelectError, match="FISHER_SELECT_MEMORY_LIMIT='lots' is not a number of bytes"):
+        available_memory(torch.device("cpu"))
+    monkeypatch.setenv("FISHER_SELECT_MEMORY_LIMIT", "1e3")
+    assert available_memory(torch.device("cpu")) == (1000, "FISHER_SELECT_MEMORY_LIMIT")
+
+
+def test_the_estimate_counts_each_memory_mode_and_the_rows_of_one_call():
+    from fisher_select.calibration.budget import estimate_memory
+    from fisher_select.engine.memory import MemoryMode
+    from tests.tiny import tiny_model
+
+    model = tiny_model("llama-untied")
+    n = sum(p.numel() for p in model.parameters())
+    est = {acc: estimate_memory(model, MemoryMode(acc), n, objectives=2, stability=True, sample_rows=4, score_rows=2,
+                                tokens=10) for acc in ("full", "gradient", "fisher")}
+    assert [est[a].accumulators for a in ("full", "gradient", "fisher")] == [4 * n * 5, 4 * n * 4, 4 * n * 2]
+    vocab, layers, hidden = model.config.vocab_size, model.config.num_hidden_layers, model.config.hidden_size
+    assert est["full"].scoring == 2 * 10 * (layers * hidden * 64 + vocab * 4)
+    assert est["full"].sampling > 2 * 4 * vocab * 4  # logits of one step, beside the KV cache
+
+
+K_BIG, PROMPTS = 10, ["2 3", "4 2 0"]
+
+
+def _calibrate_rl(batch_size):
+    from fisher_select.calibration.calibrator import calibrate
+    from fisher_select.calibration.objectives import RLObjective
+    from fisher_select.calibration.prompts import PromptRecord
+    from tests.tiny import TinyTokenizer, enumeration_model
+
+    records = [PromptRecord(i, p, None, {}) for i, p in enumerate(PROMPTS)]
+    return calibrate(enumeration_model(), TinyTokenizer(5), records, RLObjective(lambda r, t: float(len(t.split()) % 2)),
+                     samples_per_prompt=K_BIG, max_new_tokens=3, seed=3, batch_size=batch_size, progress=False)
+
+
+def test_k_above_the_batch_size_is_scored_in_batch_size_chunks_with_the_same_result(monkeypatch):
+    from fisher_select.calibration import calibrator
+
+    whole = _calibrate_rl(batch_size=K_BIG)  # one scoring call per prompt
+    widths = []
+    real = calibrator.score_sums
+    monkeypatch.setattr(calibrator, "score_sums", lambda model, ids, *a, **k: widths.append(len(ids)) or
+                        real(model, ids, *a, **k))
+    chunked = _calibrate_rl(batch_size=3)  # the same draws (one sampling call of K rows), scored 3 rows at a time
+    assert max(widths) <= 3 and chunked.num_samples == whole.num_samples == K_BIG * len(PROMPTS)
+    assert [s["response_ids"] for s in chunked.samples] == [s["response_ids"] for s in whole.samples]
+    assert chunked.signal_scale == whole.signal_scale
+    for name in whole.fisher:
+        torch.testing.assert_close(chunked.fisher[name], whole.fisher[name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(chunked.grad_estimate[name], whole.grad_estimate[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_huge_k_is_sampled_in_chunks_of_bounded_rows(monkeypatch):
+    from fisher_select.calibration import budget, calibrator
+
+    monkeypatch.setattr(budget, "SAMPLE_ROWS", 4)  # stands for 1024: K = 10 is "huge" here
+    rows = []
+    real = calibrator.sample_responses
+    monkeypatch.setattr(calibrator, "sample_responses", lambda model, prompts, **k: rows.append(len(prompts)) or
+                        real(model, prompts, **k))
+    cal = _calibrate_rl(batch_size=2)
+    assert rows == [4, 4, 2] * len(PROMPTS)  # per prompt: K = 10 rows in calls of at most 4
+    assert cal.num_samples == K_BIG * len(PROMPTS) and [s["prompt_index"] for s in cal.samples] == [0] * 10 + [1] * 10

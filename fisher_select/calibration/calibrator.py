@@ -9,6 +9,7 @@ the plain score sums. At the end everything is divided by the number of samples.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from fisher_select.errors import DegenerateResultWarning, FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
 from fisher_select.calibration.settings import CalibrationConfig
+from fisher_select.calibration.budget import check_memory, estimate_memory, sampling_rows
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
 from fisher_select.engine.rules import guard_model
 from fisher_select.rundir import BoundsView
@@ -191,6 +193,8 @@ class _Calibrator:
         self.k, self.max_new_tokens, self.verify = config.samples_per_prompt, config.max_new_tokens, verify
         self.batch_size = config.batch_size
         self.groups_per_batch = max(1, self.batch_size // self.k)
+        rows = self.groups_per_batch * self.k  # K > batch size: one prompt's K rows, sampled and scored in chunks
+        self.sample_rows, self.score_rows = sampling_rows(rows, self.batch_size), min(rows, self.batch_size)
         self.device = next(model.parameters()).device
         self.memory = MemoryMode(config.accumulators, config.modules, config.accumulate_on)
         whole = plan_coverage(model)
@@ -216,6 +220,7 @@ class _Calibrator:
         rendered = shard(every, self.rank, self.world)
         for o in self.objectives:  # load a teacher, check data against the prompts
             o.prepare(self.ctx, all_prompts)  # all of them: what it resolves must not depend on the rank
+        self._check_memory(rendered)
         self._run_batches(prompts, rendered)
         extra = [self._extra_mean_score(o) for o in self.objectives]
         if self.world > 1:
@@ -230,6 +235,18 @@ class _Calibrator:
         if self.ckpt is not None and not self.checkpoint.keep_when_done:
             self.ckpt.discard()
         return cal
+
+    def _check_memory(self, rendered: list[list[int]]) -> None:
+        """Refuse, before any sampling, settings whose memory clearly exceeds what the device has free."""
+        if self.rollouts is not None:  # the file's longest prompt + response
+            tokens = max((len(t.prompt_ids) + max(map(len, t.responses)) for t in self.tokens.values()), default=1)
+        else:
+            tokens = max(map(len, rendered), default=0) + self.max_new_tokens
+        covered = sum(math.prod(shape) for shape in self.cov.shapes.values())
+        estimate = estimate_memory(self.model, self.memory, covered, objectives=len(self.objectives),
+                                   stability=self.stability is not None, sample_rows=self.sample_rows,
+                                   score_rows=self.score_rows, tokens=tokens)
+        check_memory(estimate, self.device)
 
     def _render(self, all_prompts: list[PromptRecord]) -> list[list[int]]:
         """Every prompt's token ids (all prompts: every rank agrees on the checks)."""
@@ -330,8 +347,10 @@ class _Calibrator:
 
     def _sample(self, records, rendered) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
-        drawn = sample_responses(self.model, rows, eos_ids=self.eos, pad_id=self.pad,
-                                 max_new_tokens=self.max_new_tokens, generator=self.generator)
+        drawn = []  # in calls of at most sample_rows rows: one call unless K exceeds the batch size
+        for start in range(0, len(rows), self.sample_rows):
+            drawn += sample_responses(self.model, rows[start : start + self.sample_rows], eos_ids=self.eos,
+                                      pad_id=self.pad, max_new_tokens=self.max_new_tokens, generator=self.generator)
         groups = []
         for g, (record, ids) in enumerate(zip(records, rendered)):
             part = drawn[g * self.k : (g + 1) * self.k]
@@ -355,6 +374,11 @@ class _Calibrator:
         return _Batch(*pad_rows(rows, self.pad, self.device), groups, signals)
 
     def _score(self, batch: _Batch) -> None:
+        for part in _row_chunks(batch, self.score_rows):
+            self._score_part(part)
+        self._record(batch)
+
+    def _score_part(self, batch: _Batch) -> None:
         signal = self.memory.signal(batch.sequence_signal(self.device))  # (O, B), None: no signal sums kept
         args = (self.model, batch.input_ids, batch.attention_mask, batch.response_mask)
         first = self.sums is None
@@ -369,7 +393,6 @@ class _Calibrator:
         if self.token is not None:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*args[1:], token_signals)
-        self._record(batch)
 
     def _extra_mean_score(self, o: Objective) -> dict[str, torch.Tensor] | None:
         """Mean score of the rows an objective asks for (None: it asks for none), scored like the
@@ -451,6 +474,22 @@ class _Calibrator:
         if self.token is not None:
             cal.token_fisher = self.token.fisher()
         return cal
+
+
+def _row_chunks(batch: _Batch, rows: int):
+    """``batch`` in parts of at most ``rows`` rows. Only a batch of one prompt (K above the batch size) is
+    ever larger: its group and signals are cut along the K responses; a smaller batch passes whole."""
+    if batch.input_ids.shape[0] <= rows:
+        yield batch
+        return
+    (group,), cut = batch.groups, dataclasses.replace
+    for a in range(0, batch.input_ids.shape[0], rows):
+        b = a + rows
+        part = cut(group, responses=group.responses[a:b], texts=group.texts[a:b], logprobs=group.logprobs[a:b],
+                   ended=group.ended[a:b], rollout=group.rollout[a:b])
+        signals = [[cut(s, signal=s.signal[a:b], values=s.values[a:b],
+                        token_signal=None if s.token_signal is None else s.token_signal[a:b])] for (s,) in batch.signals]
+        yield _Batch(batch.input_ids[a:b], batch.attention_mask[a:b], batch.response_mask[a:b], [part], signals)
 
 
 def _check_word(value) -> str:
