@@ -24,7 +24,7 @@ from fisher_select.report.statistics import (ReportStatistics, bound_ratio, conc
                                              scale_uncertainty, signal_diagnostics)
 from fisher_select.report.warnings import run_warnings
 from fisher_select.rundir import (HTML_FILE, MARKDOWN_FILE, REPORT_FILE, SAMPLES_FILE, ModelInfo, ModuleEntry,
-                                  ObjectiveEntry, RunReport, grad_file_for, load_run, new_run_id, read_samples,
+                                  ObjectiveEntry, RunReport, grad_file_for, load_run, new_run_id, read_run_samples,
                                   read_tensors, utc_now, write_json, write_run_files)
 from fisher_select.stats.naming import module_of
 from fisher_select.version import __version__
@@ -126,7 +126,7 @@ def regenerate(path: "str | Path") -> list[Path]:
     run = load_run(path)
     grads = [_load_grad(run.path / e.grad_file) for e in run.report.objectives]
     samples_file = run.path / SAMPLES_FILE
-    samples = read_samples(samples_file) if samples_file.is_file() else []
+    samples = read_run_samples(samples_file, run.report.num_samples) if samples_file.is_file() else []
     report = refresh_report(run, grads, samples)
     checked = validation_section.load_validations(run.path)  # what `fisher-select validate` measured, if anything
     writers = {REPORT_FILE: lambda tmp: write_json(tmp, report.to_json()),

@@ -116,3 +116,65 @@ def test_a_huge_k_is_sampled_in_chunks_of_bounded_rows(monkeypatch):
     cal = _calibrate_rl(batch_size=2)
     assert rows == [4, 4, 2] * len(PROMPTS)  # per prompt: K = 10 rows in calls of at most 4
     assert cal.num_samples == K_BIG * len(PROMPTS) and [s["prompt_index"] for s in cal.samples] == [0] * 10 + [1] * 10
+
+
+# ---------------------------------------------------------------------------
+# Damaged run files: exit 2 naming the file, what is wrong and what to do; nothing half-written
+
+# Which commands read each file of a run directory. report.md and report.html are read by no command
+# (`report` rewrites them), and `verify` compares samples.jsonl byte for byte without parsing it (a
+# damaged copy is reported as a difference, exit 1).
+READERS = {"fisher.safetensors": ("report", "select", "verify"), "bounds.safetensors": ("verify",),
+           "grad_estimate.safetensors": ("report", "verify"), "samples.jsonl": ("report",),
+           "report.json": ("report", "select", "verify")}
+EXEMPT = {"report.md", "report.html"}
+DAMAGES = {"truncated": lambda data: data[: len(data) // 2], "emptied": lambda data: b"",
+           "garbage": lambda data: bytes((i * 131 + 7) % 256 for i in range(len(data)))}
+
+
+# What the message says is wrong, per kind of file and damage (any one phrase of each tuple).
+WHAT = {("safetensors", "truncated"): ("truncated tensor data", "truncated safetensors header"),
+        ("safetensors", "emptied"): ("is empty",), ("safetensors", "garbage"): ("truncated safetensors header",),
+        ("json", "truncated"): ("is not valid JSON",), ("json", "emptied"): ("is empty",),
+        ("json", "garbage"): ("is not text",), ("jsonl", "truncated"): ("not valid JSON", "emptied or truncated"),
+        ("jsonl", "emptied"): ("holds 0 sample record(s)",), ("jsonl", "garbage"): ("is not text",)}
+
+
+def _kind(name: str) -> str:
+    return name.rsplit(".", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def pristine_run(tmp_path_factory, small_llama_dir):
+    out = tmp_path_factory.mktemp("damaged") / "run"
+    assert run_command(["calibrate", "--model", str(small_llama_dir), "--num-prompts", "2", "--samples-per-prompt", "2",
+                        "--max-new-tokens", "4", "--no-progress", "--out", str(out)]) == 0
+    return out
+
+
+def test_every_run_file_is_read_by_some_command_or_exempt(pristine_run):
+    assert {p.name for p in pristine_run.iterdir()} == set(READERS) | EXEMPT
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("name", sorted(READERS))
+def test_a_damaged_run_file_is_bad_input_named_with_what_to_do(tmp_path, pristine_run, capsys, name, damage):
+    import shutil
+
+    from fisher_select.cli import main
+
+    run = shutil.copytree(pristine_run, tmp_path / "run")
+    target = run / name
+    target.write_bytes(DAMAGES[damage](target.read_bytes()))
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    commands = {"report": ["report", str(run)], "verify": ["verify", str(run), str(pristine_run)],
+                "select": ["select", str(run), "--top", "0.01", "--out", str(tmp_path / "m.safetensors")]}
+    for command in READERS[name]:
+        code = main(commands[command])
+        err = capsys.readouterr().err
+        assert code == 2, (command, err)
+        assert str(target) in err and "internal error" not in err and "re-run" in err, (command, err)
+        assert len(err.strip().splitlines()) == 1, err
+        assert any(phrase in err for phrase in WHAT[_kind(name), damage]), (command, err)
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before, command  # nothing rewritten
+        assert not list(tmp_path.glob("m.safetensors*")), command
