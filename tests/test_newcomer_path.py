@@ -20,13 +20,14 @@ def _recipe(tmp_path, model_dir, prompts=2):
 
 def test_no_progress_prints_one_line_per_phase_on_stderr(tmp_path, small_llama_dir, capsys):
     assert run_command(["calibrate", "--recipe", _recipe(tmp_path, small_llama_dir), "--out", str(tmp_path / "run"),
-                        "--samples-per-prompt", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
+                        "--samples-per-prompt", "2", "--max-new-tokens", "4", "--batch-size", "2", "--no-progress"]) == 0
     err = capsys.readouterr().err.splitlines()
-    starts = ["model loaded: ", "sampling done: ", "scoring done: ", "checks: ", "written: "]
+    starts = ["model loaded: ", "first batch: ", "sampling done: ", "scoring done: ", "checks: ", "written: "]
     lines = [line for line in err if line.startswith(tuple(starts))]
     assert [next(s for s in starts if line.startswith(s)) for line in lines] == starts, err
-    assert "tokens/s" in lines[1] and "samples/s" in lines[2] and "autograd ok" in lines[3]
-    assert lines[4] == f"written: {tmp_path / 'run'}"
+    assert "first batch: 2 samples sampled and scored in " in lines[1] and "the other 1 batch(es) take about" in lines[1]
+    assert "tokens/s" in lines[2] and "samples/s" in lines[3] and "autograd ok" in lines[4]
+    assert lines[5] == f"written: {tmp_path / 'run'}"
 
 
 def test_calibrate_refuses_before_sampling_when_the_estimate_exceeds_the_memory(tmp_path, small_llama_dir, capsys,

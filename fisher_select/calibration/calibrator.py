@@ -282,11 +282,19 @@ class _Calibrator:
                 bar_f.update(len(groups) * self.k)
                 if self.ckpt is not None and self.ckpt.due(b + 1, len(starts)):
                     self.ckpt.save(b + 1, *capture(self), self.samples)
+                if b == done:  # without bars (which show their own ETA), the first batch times the rest
+                    self._log_eta(len(starts) - b - 1)
 
     def _timed(self, phase: str, started: float, **counts) -> None:
         self.clock[phase] += time.perf_counter() - started
         for key, n in counts.items():
             self.clock[key] += n
+
+    def _log_eta(self, left: int) -> None:
+        c = self.clock
+        spent = c["sampling"] + c["scoring"]
+        self.log(f"first batch: {c['samples']:,} samples sampled and scored in {spent:.1f}s; the other {left:,} "
+                 f"batch(es) take about {spent * left / 60:.1f} min")
 
     def _log_phases(self) -> None:
         """One line per phase (``log``): sampling with tokens/s, scoring with samples/s, the checks."""
