@@ -179,3 +179,14 @@ def test_a_damaged_run_file_is_bad_input_named_with_what_to_do(tmp_path, pristin
         assert any(phrase in err for phrase in WHAT[_kind(name), damage]), (command, err)
         assert {p.name: p.read_bytes() for p in run.iterdir()} == before, command  # nothing rewritten
         assert not list(tmp_path.glob("m.safetensors*")), command
+
+
+def test_a_container_limit_is_read_from_cgroup_v2(tmp_path):
+    from fisher_select.calibration.budget import _cgroup_room
+
+    (tmp_path / "memory.max").write_text("1000000\n")
+    (tmp_path / "memory.current").write_text("400000\n")
+    assert _cgroup_room(str(tmp_path)) == 600000
+    (tmp_path / "memory.max").write_text("max\n")  # no limit
+    assert _cgroup_room(str(tmp_path)) is None
+    assert _cgroup_room(str(tmp_path / "absent")) is None

@@ -119,8 +119,23 @@ def _device_free(device: torch.device) -> tuple[int | None, str]:
     try:
         import psutil
     except ImportError:
-        return _meminfo_available(), "MemAvailable in /proc/meminfo"
-    return psutil.virtual_memory().available, "available host memory (psutil)"
+        free, source = _meminfo_available(), "MemAvailable in /proc/meminfo"
+    else:
+        free, source = psutil.virtual_memory().available, "available host memory (psutil)"
+    room = _cgroup_room()  # a container's limit: the host's free memory does not see it, the OOM killer does
+    if room is not None and (free is None or room < free):
+        return room, "the container's memory.max less its memory.current"
+    return free, source
+
+
+def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under a cgroup v2 memory limit; None without one."""
+    try:
+        limit = open(f"{root}/memory.max").read().strip()
+        used = int(open(f"{root}/memory.current").read())
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit) - used) if limit.isdigit() else None
 
 
 def _meminfo_available() -> int | None:
