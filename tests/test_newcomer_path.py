@@ -190,3 +190,23 @@ def test_a_container_limit_is_read_from_cgroup_v2(tmp_path):
     (tmp_path / "memory.max").write_text("max\n")  # no limit
     assert _cgroup_room(str(tmp_path)) is None
     assert _cgroup_room(str(tmp_path / "absent")) is None
+
+
+def test_a_token_level_objective_is_cut_along_k_with_its_token_signals():
+    """Chunked scoring slices each response's token signals with it: the token-level gradient estimate (no random
+    signs in it) equals the unchunked one on the same samples."""
+    from fisher_select.calibration.calibrator import calibrate
+    from fisher_select.calibration.objectives import OPDFullObjective
+    from fisher_select.calibration.teachers import Teacher
+    from tests.test_token_fisher import MAX_NEW, VOCAB, records, student, teacher
+    from tests.tiny import TinyTokenizer
+
+    def run(batch_size):
+        return calibrate(student(), TinyTokenizer(VOCAB), records(), OPDFullObjective(Teacher(teacher("near"))),
+                         samples_per_prompt=6, max_new_tokens=MAX_NEW, seed=5, batch_size=batch_size, progress=False)
+
+    whole, chunked = run(6), run(4)
+    assert [s["response_ids"] for s in chunked.samples] == [s["response_ids"] for s in whole.samples]
+    for name in whole.grad_estimate:
+        torch.testing.assert_close(chunked.grad_estimate[name], whole.grad_estimate[name], rtol=1e-5, atol=1e-7)
+    assert chunked.token_fisher.keys() == whole.token_fisher.keys()
