@@ -18,3 +18,6 @@ CAVEAT_LINE = (
     "movement over many steps, under Adam, or under weight decay. Masks and targets are advisory."
 )
 MASK_CAVEAT = CAVEAT_LINE + " A mask holds during training only when enforced (fisher_select.apply_masks)."
+# S = 0: said by the report (report.warnings) and, for Python callers who never read one, by calibrate itself
+ZERO_SCALE_WARNING = ("signal scale S = 0: no sampled response carried signal (e.g. every reward of a prompt was "
+                      "equal), so every bound is 0; use prompts whose rewards vary, or more samples per prompt")

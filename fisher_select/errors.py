@@ -12,3 +12,7 @@ class FisherSelectError(Exception):
 
 class ResourceError(FisherSelectError):
     """The machine, not the input, cannot do it (no room on disk): exit 1, like an OSError."""
+
+
+class DegenerateResultWarning(UserWarning):
+    """A result that is valid but useless as it stands (S = 0: every bound is 0); the CLI's report says it instead."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from fisher_select.calibration.prompts import load_prompts
 from fisher_select.calibration.rollouts import load_rollouts
 from fisher_select.calibration.sampling import SamplingConfig
 from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
+from fisher_select.errors import DegenerateResultWarning
 from fisher_select.distributed import init_from_env, rank_world
 from fisher_select.models import fingerprint, load_model
 from fisher_select.run_report import build_report, write_run
@@ -28,12 +30,15 @@ class RunResult:
 
 def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False, progress: bool = True,
                recipe_name: str | None = None, command_line: list[str] | None = None,
-               resume: bool = False) -> RunResult:
+               resume: bool = False, log=None) -> RunResult:
     """Load model and prompts (or rollouts), calibrate every objective of the recipe, write the run directory.
 
     ``resume``: continue from the checkpoint in ``OUT.checkpoint`` (written every ``checkpoint_every``
     batches), if there is one; it is removed once the run directory is written.
+    ``log(line)``: one line per phase (model loaded, sampling, scoring, checks, written), for runs without
+    progress bars.
     """
+    log = log or (lambda line: None)
     out = Path(out)
     check_dir_target(out, overwrite)  # refuse before spending minutes on calibration
     device = init_from_env(recipe.device)  # torchrun / accelerate: one rank per device
@@ -47,12 +52,16 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     check_inputs(prompts, objectives, k, None)  # sampling: checked by load_recipe
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     model_fingerprint = fingerprint(model)
+    log(f"model loaded: {recipe.model} ({model_fingerprint['num_parameters']:,} parameters) on {device}")
     # Now the size is known: refuse a disk without room for the run before sampling, not after.
     check_writable(out.parent, run_bytes(model_fingerprint["num_parameters"], len(objectives)))
     ckpt = CheckpointConfig(checkpoint_folder(out), recipe.checkpoint_every, resume, discard_existing=overwrite,
                             model_id=model_fingerprint["id"], keep_when_done=True)
-    cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
-                    progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt)
+    with warnings.catch_warnings():  # the run's report and summary say S = 0 (report.warnings): not twice
+        warnings.simplefilter("ignore", DegenerateResultWarning)
+        cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
+                        progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt,
+                        log=log if rank == 0 else None)
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
     settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,
@@ -64,6 +73,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
         report.mixed_bound = _mixed_summary(cal, recipe.mix)
     if rank == 0:  # every rank holds the merged result; one writes it
         write_run(out, cal, report, overwrite)
+        log(f"written: {out}")
     finish_checkpoint(ckpt, rank, world)
     return RunResult(cal, report, out)
 

@@ -24,7 +24,8 @@ from fisher_select.report.statistics import (ReportStatistics, bound_ratio, conc
                                              scale_uncertainty, signal_diagnostics)
 from fisher_select.report.warnings import run_warnings
 from fisher_select.rundir import (HTML_FILE, MARKDOWN_FILE, REPORT_FILE, SAMPLES_FILE, ModelInfo, ModuleEntry,
-                                  ObjectiveEntry, RunReport, grad_file_for, load_run, load_run_report, new_run_id, read_samples,
+                                  ObjectiveEntry, RunReport, grad_file_for, load_run, load_run_report, new_run_id,
+                                  read_run_samples,
                                   read_tensors, utc_now, write_json, write_run_files)
 from fisher_select.stats.naming import module_of
 from fisher_select.version import __version__
@@ -127,13 +128,13 @@ def regenerate(path: "str | Path", recompute: bool = False) -> list[Path]:
     By default the pages are redrawn from report.json (every plot is drawn from its statistics), so no
     tensor is read; ``recompute`` first recomputes the statistics from the run's tensors and samples."""
     path = Path(path)
+    report = load_run_report(path)
     samples_file = path / SAMPLES_FILE
-    samples = read_samples(samples_file) if samples_file.is_file() else []
+    samples = read_run_samples(samples_file, report.num_samples) if samples_file.is_file() else []
     if recompute:
         run = load_run(path)
         report = refresh_report(run, [_load_grad(path / e.grad_file) for e in run.report.objectives], samples)
     else:
-        report = load_run_report(path)
         report.warnings = run_warnings(report)
     checked = validation_section.load_validations(path)  # what `fisher-select validate` measured, if anything
     writers = {REPORT_FILE: lambda tmp: write_json(tmp, report.to_json()),

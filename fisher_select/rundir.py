@@ -582,6 +582,16 @@ def read_samples(path: Path) -> list[dict]:
     return out
 
 
+def read_run_samples(path: Path, expected: int) -> list[dict]:
+    """A run's samples.jsonl, which must hold the ``expected`` samples its report counts: an emptied file, or
+    one cut at a line end, parses but is not the run's."""
+    samples = read_samples(path)
+    if len(samples) != expected:
+        raise FisherSelectError(f"{path} holds {len(samples)} sample record(s) but {REPORT_FILE} counts {expected} "
+                                f"(emptied or truncated); {REWRITE_ADVICE}")
+    return samples
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file; a truncated, empty or foreign file is a ``FisherSelectError``."""
     path = Path(path)
@@ -597,10 +607,16 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _safetensors_problem(message: str, path: Path, size: int) -> str:
-    header = int.from_bytes(path.read_bytes()[:8], "little")
+    """Which part of the file is damaged: the header's length, the header, or the tensor data after it."""
+    raw = path.read_bytes()
+    header = int.from_bytes(raw[:8], "little")
     if header > size - 8:
         return f"truncated safetensors header: it announces {header} bytes, the file has {size - 8} after the length"
-    if "header" in message.lower():
+    try:
+        entries = json.loads(raw[8 : 8 + header])
+        end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):  # not the JSON of a safetensors header
         return f"corrupt safetensors header: {message}"
-    return f"truncated or corrupt tensor data: {message}"
-
+    if 8 + header + end > size:
+        return f"truncated tensor data: the header describes {end} bytes of tensors, the file holds {size - 8 - header}"
+    return f"corrupt tensor data: {message}"

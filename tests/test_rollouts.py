@@ -240,3 +240,14 @@ def test_two_ranks_on_rollouts_equal_one_process(tmp_path):
     assert [strip(s) for s in two_samples] == [strip(s) for s in one_samples]
     for k in ("verdict", "off_policy_responses", "with_sampler_logprob"):
         assert meta["check"][k] == one.checks["rollouts"][k], k
+
+
+def test_rows_without_a_reward_are_named_by_their_own_lines(tmp_path):
+    """The lines lacking a reward are listed, not the group's first line (which may have one)."""
+    has, lacks = {"prompt": "2 3", "response": "3", "reward": 1}, {"prompt": "2 3", "response": "3"}
+    with pytest.raises(FisherSelectError) as err:
+        _rescored(_write_jsonl(tmp_path / "second.jsonl", [has, lacks, has, lacks]))
+    assert "no reward on line(s) 2, 4)" in str(err.value)
+    with pytest.raises(FisherSelectError) as err:
+        _rescored(_write_jsonl(tmp_path / "first.jsonl", [lacks, has, has, has]))
+    assert "no reward on line(s) 1)" in str(err.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -370,3 +371,24 @@ def test_zero_signal_scale_refuses_threshold_and_warns_on_rankings():
     got = select_masks(run, top=0.2)
     assert len(got.meta["warnings"]) == 1 and "ranks by F alone" in got.meta["warnings"][0]
     assert select_masks(make_run(continuous_fisher()), top=0.2).meta["warnings"] == []
+
+
+def test_a_selection_above_half_the_model_warns_with_the_thresholds_of_1_and_10_percent(tmp_path):
+    run = make_run(continuous_fisher())
+    got = select_masks(run, threshold=1e-9)  # tiny: nearly every coordinate
+    assert got.meta["density"] > 0.5
+    (warning,) = [w for w in got.meta["warnings"] if "more than half" in w]
+    assert f"{got.meta['density']:.1%} of the model" in warning
+    values = [float(v) for v in re.findall(r"--threshold (\S+) for about", warning)]
+    assert len(values) == 2 and "about 1%" in warning and "about 10%" in warning
+    for value, share in zip(values, (0.01, 0.10)):  # each suggestion selects about that share
+        assert select_masks(run, threshold=value).meta["density"] == pytest.approx(share, abs=0.005)
+    assert not select_masks(run, threshold=values[1]).meta["warnings"]
+    top = select_masks(run, top=0.6).meta["warnings"]
+    assert any("more than half" in w and "--top 0.01" in w for w in top)
+
+
+def test_the_cli_prints_the_oversized_selection_warning(tmp_path, capsys):
+    run_dir = write_run_dir(make_run(continuous_fisher()), tmp_path / "run")
+    assert run_command(["select", str(run_dir), "--threshold", "1e-9", "--out", str(tmp_path / "m.safetensors")]) == 0
+    assert "warning: the selection holds" in capsys.readouterr().out

@@ -9,6 +9,9 @@ the plain score sums. At the end everything is divided by the number of samples.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -16,12 +19,14 @@ from tqdm.auto import tqdm
 
 from fisher_select.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
                                                    rank_world, seed_for_rank, shard)
+from fisher_select.caveats import ZERO_SCALE_WARNING
 from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage, score_sums
 from fisher_select.engine.memory import MemoryMode
-from fisher_select.errors import FisherSelectError
+from fisher_select.errors import DegenerateResultWarning, FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
 from fisher_select.calibration.settings import CalibrationConfig
+from fisher_select.calibration.budget import check_memory, estimate_memory, sampling_rows
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
 from fisher_select.engine.rules import guard_model
 from fisher_select.rundir import BoundsView
@@ -60,6 +65,7 @@ class Calibration(BoundsView):
     checks: dict = field(default_factory=dict)
     token_fisher: dict[str, torch.Tensor] | None = None  # F^tok, when a token-level objective ran
     diagnostics: "CalibrationDiagnostics | None" = None  # what the report's uncertainty and stability need
+    warnings: list[str] = field(default_factory=list)  # degenerate results, one line each (also warnings.warn)
 
     @property
     def grad_estimate(self) -> dict[str, torch.Tensor]:
@@ -82,6 +88,7 @@ def calibrate(
     verify: bool = True,
     rollouts: Rollouts | None = None,
     checkpoint: CheckpointConfig | None = None,
+    log=None,
     **fields,
 ) -> Calibration:
     """Estimate the model Fisher from the model's own samples and each objective's signal scale.
@@ -105,6 +112,8 @@ def calibrate(
     and K replace ``prompts`` and ``samples_per_prompt`` (``checks["rollouts"]``: the on-policy check).
     ``checkpoint``: write the state every ``checkpoint.every`` batches and, with ``resume``, continue from
     the newest checkpoint (``calibration.checkpoint``; bit-identical to an uninterrupted pass on the CPU).
+    ``log(line)``: called once per phase (sampling done, scoring done, checks) with its numbers, for runs
+    without progress bars (``calibrate --no-progress``).
     """
     config = CalibrationConfig.with_fields(config, fields)
     objectives = objective if isinstance(objective, list) else [objective]
@@ -117,10 +126,22 @@ def calibrate(
     model.eval()
     try:
         with guard_model(model):  # layers stay differentiable while sampling (bitsandbytes)
-            return _Calibrator(model, tokenizer, objectives, config, progress, verify, rollouts=rollouts,
-                               checkpoint=checkpoint).execute(prompts)
+            cal = _Calibrator(model, tokenizer, objectives, config, progress, verify, rollouts=rollouts,
+                              checkpoint=checkpoint, log=log).execute(prompts)
     finally:
         model.train(was_training)
+    _warn_degenerate(cal)
+    return cal
+
+
+def _warn_degenerate(cal: Calibration) -> None:
+    """S = 0 for an objective with a known scale: every bound is 0. Said in ``cal.warnings`` and once through
+    ``warnings.warn``, since a Python caller may never write or read a report."""
+    for o in cal.objectives:
+        if o.signal_scale == 0.0:
+            cal.warnings.append(f"({o.name}) {ZERO_SCALE_WARNING}")
+    if cal.warnings:
+        warnings.warn("; ".join(cal.warnings), DegenerateResultWarning, stacklevel=3)
 
 
 def check_inputs(prompts, objectives, k, sampling: SamplingConfig | None) -> None:
@@ -163,13 +184,17 @@ class _Calibrator:
     """State of one calibration pass (accumulators, generator, progress bars)."""
 
     def __init__(self, model, tokenizer, objectives, config: CalibrationConfig, progress: bool, verify: bool,
-                 rollouts: Rollouts | None = None, checkpoint: CheckpointConfig | None = None):
+                 rollouts: Rollouts | None = None, checkpoint: CheckpointConfig | None = None, log=None):
+        self.log = log or (lambda line: None)
+        self.clock = {"sampling": 0.0, "scoring": 0.0, "tokens": 0, "samples": 0}  # this process's phases
         self.model, self.tokenizer, self.objectives, self.config = model, tokenizer, objectives, config
         self.seed, self.rollouts, self.checkpoint = config.seed, rollouts, checkpoint
         self.ckpt: Checkpointer | None = None
         self.k, self.max_new_tokens, self.verify = config.samples_per_prompt, config.max_new_tokens, verify
         self.batch_size = config.batch_size
         self.groups_per_batch = max(1, self.batch_size // self.k)
+        rows = self.groups_per_batch * self.k  # K > batch size: one prompt's K rows, sampled and scored in chunks
+        self.sample_rows, self.score_rows = sampling_rows(rows, self.batch_size), min(rows, self.batch_size)
         self.device = next(model.parameters()).device
         self.memory = MemoryMode(config.accumulators, config.modules, config.accumulate_on)
         whole = plan_coverage(model)
@@ -195,6 +220,7 @@ class _Calibrator:
         rendered = shard(every, self.rank, self.world)
         for o in self.objectives:  # load a teacher, check data against the prompts
             o.prepare(self.ctx, all_prompts)  # all of them: what it resolves must not depend on the rank
+        self._check_memory(rendered)
         self._run_batches(prompts, rendered)
         extra = [self._extra_mean_score(o) for o in self.objectives]
         if self.world > 1:
@@ -203,11 +229,24 @@ class _Calibrator:
             self.checks["rollouts"] = {**self.rollouts.describe(), **mismatch_summary(self.samples)}
         split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
         cal = self._result(len(all_prompts), extra)
+        self._log_phases()
         cal.diagnostics = calibration_diagnostics(self.stats, self.stability, split)
         cal.diagnostics.conformity = self.conformity
         if self.ckpt is not None and not self.checkpoint.keep_when_done:
             self.ckpt.discard()
         return cal
+
+    def _check_memory(self, rendered: list[list[int]]) -> None:
+        """Refuse, before any sampling, settings whose memory clearly exceeds what the device has free."""
+        if self.rollouts is not None:  # the file's longest prompt + response
+            tokens = max((len(t.prompt_ids) + max(map(len, t.responses)) for t in self.tokens.values()), default=1)
+        else:
+            tokens = max(map(len, rendered), default=0) + self.max_new_tokens
+        covered = sum(math.prod(shape) for shape in self.cov.shapes.values())
+        estimate = estimate_memory(self.model, self.memory, covered, objectives=len(self.objectives),
+                                   stability=self.stability is not None, sample_rows=self.sample_rows,
+                                   score_rows=self.score_rows, tokens=tokens)
+        check_memory(estimate, self.device)
 
     def _render(self, all_prompts: list[PromptRecord]) -> list[list[int]]:
         """Every prompt's token ids (all prompts: every rank agrees on the checks)."""
@@ -232,13 +271,41 @@ class _Calibrator:
         with bar_s, bar_f:
             for b in range(done, len(starts)):
                 i = starts[b]
+                started = time.perf_counter()
                 groups = self._groups(prompts[i : i + self.groups_per_batch], rendered[i : i + self.groups_per_batch])
+                self._timed("sampling", started, tokens=sum(len(y) for g in groups for y in g.responses))
                 bar_s.update(len(groups) * self.k)
                 batch = self._batch(groups, self._signals(groups))
+                started = time.perf_counter()
                 self._score(batch)
+                self._timed("scoring", started, samples=len(groups) * self.k)
                 bar_f.update(len(groups) * self.k)
                 if self.ckpt is not None and self.ckpt.due(b + 1, len(starts)):
                     self.ckpt.save(b + 1, *capture(self), self.samples)
+                if b == done:  # without bars (which show their own ETA), the first batch times the rest
+                    self._log_eta(len(starts) - b - 1)
+
+    def _timed(self, phase: str, started: float, **counts) -> None:
+        self.clock[phase] += time.perf_counter() - started
+        for key, n in counts.items():
+            self.clock[key] += n
+
+    def _log_eta(self, left: int) -> None:
+        c = self.clock
+        spent = c["sampling"] + c["scoring"]
+        self.log(f"first batch: {c['samples']:,} samples sampled and scored in {spent:.1f}s; the other {left:,} "
+                 f"batch(es) take about {spent * left / 60:.1f} min")
+
+    def _log_phases(self) -> None:
+        """One line per phase (``log``): sampling with tokens/s, scoring with samples/s, the checks."""
+        c = self.clock
+        what = "read rollouts" if self.rollouts is not None else "sampling done"
+        self.log(f"{what}: {c['tokens']:,} response tokens in {c['sampling']:.1f}s "
+                 f"({c['tokens'] / max(c['sampling'], 1e-9):,.0f} tokens/s)")
+        self.log(f"scoring done: {c['samples']:,} samples in {c['scoring']:.1f}s "
+                 f"({c['samples'] / max(c['scoring'], 1e-9):,.1f} samples/s)")
+        checks = [f"{name} {_check_word(value)}" for name, value in self.checks.items() if name != "memory"]
+        self.log("checks: " + (", ".join(checks) if checks else "none ran"))
 
     def _resume(self, rendered: list[list[int]]) -> int:
         """Prompt batches already done: restored from the newest checkpoint (0 without one)."""
@@ -288,8 +355,10 @@ class _Calibrator:
 
     def _sample(self, records, rendered) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
-        drawn = sample_responses(self.model, rows, eos_ids=self.eos, pad_id=self.pad,
-                                 max_new_tokens=self.max_new_tokens, generator=self.generator)
+        drawn = []  # in calls of at most sample_rows rows: one call unless K exceeds the batch size
+        for start in range(0, len(rows), self.sample_rows):
+            drawn += sample_responses(self.model, rows[start : start + self.sample_rows], eos_ids=self.eos,
+                                      pad_id=self.pad, max_new_tokens=self.max_new_tokens, generator=self.generator)
         groups = []
         for g, (record, ids) in enumerate(zip(records, rendered)):
             part = drawn[g * self.k : (g + 1) * self.k]
@@ -313,6 +382,11 @@ class _Calibrator:
         return _Batch(*pad_rows(rows, self.pad, self.device), groups, signals)
 
     def _score(self, batch: _Batch) -> None:
+        for part in _row_chunks(batch, self.score_rows):
+            self._score_part(part)
+        self._record(batch)
+
+    def _score_part(self, batch: _Batch) -> None:
         signal = self.memory.signal(batch.sequence_signal(self.device))  # (O, B), None: no signal sums kept
         args = (self.model, batch.input_ids, batch.attention_mask, batch.response_mask)
         first = self.sums is None
@@ -327,7 +401,6 @@ class _Calibrator:
         if self.token is not None:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*args[1:], token_signals)
-        self._record(batch)
 
     def _extra_mean_score(self, o: Objective) -> dict[str, torch.Tensor] | None:
         """Mean score of the rows an objective asks for (None: it asks for none), scored like the
@@ -409,6 +482,32 @@ class _Calibrator:
         if self.token is not None:
             cal.token_fisher = self.token.fisher()
         return cal
+
+
+def _row_chunks(batch: _Batch, rows: int):
+    """``batch`` in parts of at most ``rows`` rows. Only a batch of one prompt (K above the batch size) is
+    ever larger: its group and signals are cut along the K responses; a smaller batch passes whole."""
+    if batch.input_ids.shape[0] <= rows:
+        yield batch
+        return
+    (group,), cut = batch.groups, dataclasses.replace
+    for a in range(0, batch.input_ids.shape[0], rows):
+        b = a + rows
+        part = cut(group, responses=group.responses[a:b], texts=group.texts[a:b], logprobs=group.logprobs[a:b],
+                   ended=group.ended[a:b], rollout=group.rollout[a:b])
+        signals = [[cut(s, signal=s.signal[a:b], values=s.values[a:b],
+                        token_signal=None if s.token_signal is None else s.token_signal[a:b])] for (s,) in batch.signals]
+        yield _Batch(batch.input_ids[a:b], batch.attention_mask[a:b], batch.response_mask[a:b], [part], signals)
+
+
+def _check_word(value) -> str:
+    """A check's headline for the phase line: its verdict, else its largest error, else its count."""
+    if isinstance(value, dict):
+        if "verdict" in value:
+            return str(value["verdict"])
+        if "max_relative_error" in value:
+            return f"ok (max relative error {value['max_relative_error']:.1e})"
+    return str(value)
 
 
 def verify_against_autograd(model, input_ids, attention_mask, response_mask, sums: ScoreSums, cov: Coverage) -> dict:

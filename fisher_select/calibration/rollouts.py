@@ -457,9 +457,11 @@ def given_values(group, kind: str, objective: str) -> list[float] | None:
         values = [_number(r.fields.get("value"), objective) for r in rows]
     if all(v is None for v in values):
         return None
-    if any(v is None for v in values):
+    lacking = [r.line for r, v in zip(rows, values) if v is None]  # the rows without one, not the group's first
+    if lacking:
+        lines = ", ".join(map(str, lacking))
         raise FisherSelectError(f"{group.record.describe()}: some rows give a {kind} for {objective!r} and some do not "
-                                f"(line {rows[0].line}); give it on every row or on none")
+                                f"(no {kind} on line(s) {lines}); give it on every row or on none")
     return values
 
 

@@ -70,6 +70,7 @@ from fisher_select.models import check_fingerprint
 from fisher_select.rundir import MASK_FORMAT, Run, load_run, save_tensors, sidecar_path
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import nonnegative, top_count, top_units
+from fisher_select.stats.topk import coarse_histogram, threshold_keys
 
 META_KEY = "fisher_select"
 STRUCTURES = ("rows", "columns")
@@ -137,8 +138,45 @@ def select_masks(
     chosen = _choose_units(units, rule, value, per_module)
     masks = {name: _expand(chosen[name], run.fisher[name], structured) for name in units}
     meta = _meta(run, masks, rule, value, per_module, structured, objective, scale)
-    meta["warnings"] = warnings
+    meta["warnings"] = warnings + _oversized(meta, units, rule, scale)
     return MaskSet(masks=masks, meta=meta)
+
+
+OVERSIZED = 0.5  # a selection above this share of the model is no longer "the few parameters that matter"
+SUGGESTED_SHARES = (0.01, 0.10)
+
+
+def _oversized(meta: dict, units: dict[str, torch.Tensor], rule: str, scale: float | None) -> list[str]:
+    """A selection above half the model: say so, with the thresholds that would select 1% and 10%."""
+    if meta["density"] <= OVERSIZED:
+        return []
+    said = f"the selection holds {meta['density']:.1%} of the model ({meta['selected']:,} of {meta['numel']:,})"
+    if rule != "threshold" or scale is None or not math.isfinite(scale):
+        return [f"{said}: more than half, which is hardly a selection; pass a smaller --{_flag(rule)}, e.g. "
+                f"--top {SUGGESTED_SHARES[0]:g}"]
+    cuts = [f"--threshold {value} for about {share:.0%}" for share, value in zip(SUGGESTED_SHARES, _thresholds(units))]
+    return [f"{said}: more than half, so --threshold {meta['rule']['value']:g} leaves almost nothing out; "
+            f"try {' or '.join(cuts)}"]
+
+
+def _thresholds(units: dict[str, torch.Tensor]) -> list[str]:
+    """Per share of SUGGESTED_SHARES, a value whose ``units > value`` selects about that share: between the k-th
+    and the (k+1)-th largest unit values (the radix select of ``stats.topk``: histogram passes, no sort)."""
+    fp32 = {name: u.float() for name, u in units.items()}
+    n = sum(u.numel() for u in fp32.values())
+    ks = [k + j for k in (top_count(share, n) for share in SUGGESTED_SHARES) for j in (0, 1)]
+    cuts = threshold_keys(fp32, coarse_histogram(fp32)[0], [min(k, n) for k in ks])
+    values = [float(torch.tensor(key, dtype=torch.int32).view(torch.float32)) for key in cuts]
+    return [_between(values[i + 1], values[i]) for i in range(0, len(values), 2)]
+
+
+def _between(low: float, high: float) -> str:
+    """The shortest printed number in [low, high) (so ``> it`` keeps the higher value and leaves the lower)."""
+    for digits in range(2, 10):
+        text = f"{(low + high) / 2:.{digits}g}"
+        if low <= float(text) < high:
+            return text
+    return repr(low)
 
 
 def _degenerate_scale(run, rule: str, scale: float | None, objective: str | None) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from fisher_select.caveats import ZERO_SCALE_WARNING
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import fmt
 from fisher_select.rundir import ObjectiveEntry, RunReport
@@ -53,8 +54,7 @@ def run_warnings(report: RunReport) -> list[str]:
 def _objective_warnings(o: ObjectiveEntry, num_prompts: int) -> list[str]:
     out = list(o.warnings)
     if o.signal_scale == 0.0:
-        out.append("signal scale S = 0: no sampled response carried signal (e.g. every reward of a prompt was "
-                   "equal), so every bound is 0; use prompts whose rewards vary, or more samples per prompt")
+        out.append(ZERO_SCALE_WARNING)
     silent = o.details.get("prompts_without_signal")
     if silent and o.signal_scale != 0.0:
         out.append(f"{silent} of {num_prompts} prompts carried no signal (constant rewards): S rests on the rest")
