@@ -32,6 +32,13 @@ class CalibrationConfig:
         "help": "responses per sampling and backward batch, whole prompts of K at a time; trades memory for speed",
         "min": 1,
     })
+    max_batch_tokens: int | None = field(default=None, metadata={
+        "help": "most tokens (rows x padded length) one scoring forward+backward holds; a longer batch is scored in "
+                "micro-batches of rows of similar length (same sums up to fp32 rounding; batch_size stays the most "
+                "rows); default: auto, about 2 GiB of activations on CPU and 16 GiB on CUDA, from the model's layer "
+                "widths (docs/SCALING.md)",
+        "min": 1,
+    })
     truncate_prompts: bool = field(default=False, metadata={
         "help": "cut prompts that do not fit the model's context with max_new_tokens to their last tokens "
                 "(counted in the report); default: refuse them before any sampling",
