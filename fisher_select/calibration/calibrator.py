@@ -173,6 +173,7 @@ class _Calibrator:
         self.groups_per_batch = max(1, self.batch_size // self.k)
         # rows x padded length of one scoring pass; signals are known per row before scoring, so any split is exact
         self.max_tokens = config.max_batch_tokens or auto_max_tokens(model)
+        self.engine = {"max_tokens": self.max_tokens, "compile": config.compile}  # every scoring call's settings
         self.device = next(model.parameters()).device
         self.memory = MemoryMode(config.accumulators, config.modules, config.accumulate_on)
         whole = plan_coverage(model)
@@ -190,7 +191,7 @@ class _Calibrator:
         self.token_index = [i for i, o in enumerate(objectives) if o.token_level]
         self.token = self._token_level() if self.token_index else None
         self.samples: list[dict] = []
-        self.stability = _Stability(self.cov, self.memory, self.max_tokens) if config.stability else None
+        self.stability = _Stability(self.cov, self.memory, self.engine) if config.stability else None
 
     def execute(self, all_prompts: list[PromptRecord]) -> Calibration:
         every = self._render(all_prompts)
@@ -288,7 +289,7 @@ class _Calibrator:
         # the sign stream's seed comes from the sampling generator, drawn before any sampling
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
         draws = max(self.objectives[i].sign_draws for i in self.token_index)
-        return TokenLevel(self.model, self.cov, self.device, seed, draws, len(self.token_index), self.max_tokens)
+        return TokenLevel(self.model, self.cov, self.device, seed, draws, len(self.token_index), self.engine)
 
     def _sample(self, records, rendered) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
@@ -323,10 +324,9 @@ class _Calibrator:
         if self.stability is not None:  # the two halves' prompts in two calls
             self.sums = self.stability.score(self.model, batch, signal, self.sums)
         elif first:
-            self.sums = score_in_budget(*args, signal, coverage=self.cov, max_tokens=self.max_tokens,
-                                        **self.memory.score_kwargs())
+            self.sums = score_in_budget(*args, signal, coverage=self.cov, **self.engine, **self.memory.score_kwargs())
         else:
-            score_in_budget(*args, signal, coverage=self.cov, into=self.sums, max_tokens=self.max_tokens)
+            score_in_budget(*args, signal, coverage=self.cov, into=self.sums, **self.engine)
         if first and self.verify and self.sums.total is not None:  # the first batch's score sums against autograd
             self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov)
         if self.token is not None:
@@ -344,8 +344,7 @@ class _Calibrator:
         mine = shard(rows, self.rank, self.world)
         for i in range(0, len(mine), self.batch_size):
             ids, mask, resp = pad_rows(mine[i : i + self.batch_size], self.pad, self.device)  # (B, T) each
-            score_in_budget(self.model, ids, mask, resp, coverage=self.cov, into=sums, squares=False,
-                            max_tokens=self.max_tokens)
+            score_in_budget(self.model, ids, mask, resp, coverage=self.cov, into=sums, squares=False, **self.engine)
         if self.world > 1:
             sums.count = all_reduce_int(sums.count, self.device)
             all_reduce_sums(sums.total)
@@ -470,9 +469,9 @@ class TokenLevel:
     """
 
     def __init__(self, model, coverage: Coverage, device, seed: int, draws: int, objectives: int,
-                 max_tokens: int | None = None):
+                 engine: dict | None = None):
         self.model, self.cov, self.device, self.draws = model, coverage, device, draws
-        self.max_tokens = max_tokens  # micro-batches; the signs are drawn for the whole batch first
+        self.engine = engine or {"max_tokens": None}  # micro-batches; the signs are drawn for the whole batch first
         self.signs = torch.Generator(device=device).manual_seed(seed)
         self.squares: ScoreSums | None = None
         self.grads: list[ScoreSums | None] = [None] * objectives
@@ -484,13 +483,13 @@ class TokenLevel:
         for _ in range(self.draws):
             eps = torch.randint(0, 2, input_ids.shape, generator=self.signs, device=self.device) * 2.0 - 1
             self.squares = score_in_budget(*args, token_weights=eps, coverage=self.cov, into=self.squares,
-                                           max_tokens=self.max_tokens)
+                                           **self.engine)
         for j, rows in enumerate(token_signals):
             weights = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)  # (B, T)
             for b, a in enumerate(rows):
                 weights[b, response_mask[b]] = a.to(weights)
             self.grads[j] = score_in_budget(*args, token_weights=weights, coverage=self.cov, into=self.grads[j],
-                                            squares=False, max_tokens=self.max_tokens)
+                                            squares=False, **self.engine)
 
     def merge_ranks(self) -> None:
         if self.squares is None:
@@ -548,8 +547,8 @@ class _Stability:
     module masses: its per-parameter sum of h^2 and its sample count.
     """
 
-    def __init__(self, cov: Coverage, memory: MemoryMode | None = None, max_tokens: int | None = None):
-        self.cov, self.memory, self.max_tokens = cov, memory or MemoryMode(), max_tokens
+    def __init__(self, cov: Coverage, memory: MemoryMode | None = None, engine: dict | None = None):
+        self.cov, self.memory, self.engine = cov, memory or MemoryMode(), engine or {"max_tokens": None}
         self.names = list(cov.shapes)
         self.squares_a: dict[str, torch.Tensor] | None = None
         self.samples, self.prompts = [0, 0], [0, 0]  # [half A, half B]
@@ -578,7 +577,7 @@ class _Stability:
             target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0)
             score_in_budget(model, ids[:, start:], mask[:, start:], resp[:, start:],
                             None if signal is None else signal.index_select(1, rows), coverage=self.cov, into=target,
-                            max_tokens=self.max_tokens)
+                            **self.engine)
             if half == 0:
                 sums.count += target.count
             self.samples[half] += len(rows)

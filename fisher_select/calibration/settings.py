@@ -39,6 +39,11 @@ class CalibrationConfig:
                 "widths (docs/SCALING.md)",
         "min": 1,
     })
+    compile: bool = field(default=False, metadata={
+        "help": "reduce each per-sample gradient piece (squares, score sums, signal sums) in one torch.compile'd "
+                "kernel that reads it once; compiles on the first batch (~20 s on a small CPU), pays off on long "
+                "runs (bench/bench_engine.py --modes compiled measures it)",
+    })
     truncate_prompts: bool = field(default=False, metadata={
         "help": "cut prompts that do not fit the model's context with max_new_tokens to their last tokens "
                 "(counted in the report); default: refuse them before any sampling",
