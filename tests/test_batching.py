@@ -89,3 +89,15 @@ def test_a_small_budget_calibrates_like_a_huge_one(stability):
         assert torch.allclose(small.token_fisher[name], huge.token_fisher[name], rtol=1e-5, atol=1e-7)
         for a, b in zip(small.objectives, huge.objectives):
             assert torch.allclose(a.grad_estimate[name], b.grad_estimate[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_autograd_check_runs_in_micro_batches_too():
+    from fisher_select.calibration.calibrator import verify_against_autograd
+    from fisher_select.engine.scoring import plan_coverage
+
+    model = tiny_model("llama-tied")
+    ids, attn, resp, two = _batch()
+    cov = plan_coverage(model)
+    sums = score_sums(model, ids, attn, resp, two, coverage=cov)
+    for budget in (None, 16, 1):
+        assert verify_against_autograd(model, ids, attn, resp, sums, cov, budget)["max_relative_error"] < 1e-5

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from fisher_select.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
                                                    rank_world, seed_for_rank, shard)
-from fisher_select.engine.batching import auto_max_tokens, score_in_budget
+from fisher_select.engine.batching import auto_max_tokens, micro_batches, score_in_budget
 from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage
 from fisher_select.engine.memory import MemoryMode
 from fisher_select.errors import FisherSelectError
@@ -328,7 +328,7 @@ class _Calibrator:
         else:
             score_in_budget(*args, signal, coverage=self.cov, into=self.sums, **self.engine)
         if first and self.verify and self.sums.total is not None:  # the first batch's score sums against autograd
-            self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov)
+            self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov, self.max_tokens)
         if self.token is not None:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*args[1:], token_signals)
@@ -416,11 +416,13 @@ class _Calibrator:
         return cal
 
 
-def verify_against_autograd(model, input_ids, attention_mask, response_mask, sums: ScoreSums, cov: Coverage) -> dict:
+def verify_against_autograd(model, input_ids, attention_mask, response_mask, sums: ScoreSums, cov: Coverage,
+                            max_tokens: int | None = None) -> dict:
     """Compare the engine's ``sum_n h_n`` with plain autograd of ``sum_n l_n``.
 
     A parameter used outside the module that holds it (a functional matmul with another
     module's weight) would be missed by the hooks; this catches it on the first batch.
+    ``max_tokens``: the scoring's token budget, which caps this pass's activations too.
     """
     params = {n: p for n, p in cov.params.items()
               if n in cov.shapes and p.is_floating_point() and tuple(p.shape) == cov.shapes[n]}  # kept ones only
@@ -428,8 +430,7 @@ def verify_against_autograd(model, input_ids, attention_mask, response_mask, sum
     try:
         for p in params.values():
             p.requires_grad_(True)
-        logp = response_logprobs(model, input_ids, attention_mask, response_mask)
-        grads = torch.autograd.grad(logp.sum(), list(params.values()), allow_unused=True)
+        grads = _summed_grads(model, (input_ids, attention_mask, response_mask), list(params.values()), max_tokens)
     finally:
         for n, p in params.items():
             p.requires_grad_(saved[n])
@@ -448,6 +449,19 @@ def verify_against_autograd(model, input_ids, attention_mask, response_mask, sum
             "the parameter is probably used outside the module that holds it; please report this model"
         )
     return {"max_relative_error": worst, "parameter": worst_name, "tolerance": tol}
+
+
+def _summed_grads(model, batch: tuple, params: list, max_tokens: int | None) -> list:
+    """Autograd of the batch's summed log-probabilities (batch: (B, T) ids, mask, response mask), a
+    micro-batch at a time when the batch exceeds ``max_tokens``; None for a parameter without gradient."""
+    parts = micro_batches(batch[1], max_tokens)
+    total = [None] * len(params)
+    for rows in parts:
+        pick = torch.tensor(rows, device=batch[0].device)
+        part = batch if len(parts) == 1 else tuple(t.index_select(0, pick) for t in batch)  # (b, T) each
+        grads = torch.autograd.grad(response_logprobs(model, *part).sum(), params, allow_unused=True)
+        total = [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
+    return total
 
 
 def score_mean_summary(c: ScoreMeanConformity) -> dict:
