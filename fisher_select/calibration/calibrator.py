@@ -23,6 +23,7 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
 from fisher_select.calibration.settings import CalibrationConfig
+from fisher_select.calibration import fsdp
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
 from fisher_select.engine.rules import guard_model
 from fisher_select.rundir import BoundsView
@@ -124,6 +125,11 @@ def calibrate(
         model.train(was_training)
 
 
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise FisherSelectError("; ".join(problems))
+
+
 def check_inputs(prompts, objectives, k, sampling: SamplingConfig | None) -> None:
     """Every problem with the calibration settings, as one error (before any model work).
 
@@ -182,7 +188,12 @@ class _Calibrator:
                                         "missing": self.memory.missing(self.cov, len(whole.shapes))}}
         self.eos = eos_ids_of(model, tokenizer)
         self.pad = pad_id_of(model, tokenizer)
-        self.rank, self.world = rank_world()
+        self.fsdp = config.shard == "fsdp"  # calibration.fsdp: every rank runs the whole pass in step
+        self.rank, self.world = (0, 1) if self.fsdp else rank_world()
+        self.collected: list = []  # fsdp: the batches to score, sharded, at the end
+        if self.fsdp:
+            _refuse(fsdp.problems(config, objectives, checkpoint))
+            self.verify = False  # plain autograd would reach the all-gathered weights, not the shards
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(self.seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)
         self.progress, self.truncate_prompts = progress, config.truncate_prompts
@@ -201,6 +212,8 @@ class _Calibrator:
             o.prepare(self.ctx, all_prompts)  # all of them: what it resolves must not depend on the rank
         self._run_batches(prompts, rendered)
         extra = [self._extra_mean_score(o) for o in self.objectives]
+        if self.fsdp and not self._score_collected():
+            return None  # rank 0 holds the gathered sums and writes the run
         if self.world > 1:
             self._merge_ranks()
         if self.rollouts is not None:  # from the merged sample records: every rank's responses
@@ -319,6 +332,10 @@ class _Calibrator:
 
     def _score(self, batch: _Batch) -> None:
         signal = self.memory.signal(batch.sequence_signal(self.device))  # (O, B), None: no signal sums kept
+        if self.fsdp:  # scored at the end, every rank its share (calibration.fsdp)
+            self.collected.append((batch.input_ids, batch.attention_mask, batch.response_mask, signal))
+            self._record(batch)
+            return
         args = (self.model, batch.input_ids, batch.attention_mask, batch.response_mask)
         first = self.sums is None
         if self.stability is not None:  # the two halves' prompts in two calls
@@ -333,6 +350,16 @@ class _Calibrator:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*args[1:], token_signals)
         self._record(batch)
+
+    def _score_collected(self) -> bool:
+        """fsdp: score the collected batches sharded; True on rank 0, which then holds the full sums."""
+        kw = self.memory.score_kwargs()
+        keep = set(self.cov.shapes) if self.memory.modules else None
+        objectives = None if not self.collected or self.collected[0][3] is None else self.collected[0][3].shape[0]
+        self.sums = fsdp.score_collected(self.model, self.collected, objectives, squares=kw["squares"],
+                                         totals=kw["totals"], params=keep, max_tokens=self.max_tokens,
+                                         max_rows=self.batch_size)
+        return self.sums is not None
 
     def _extra_mean_score(self, o: Objective) -> dict[str, torch.Tensor] | None:
         """Mean score of the rows an objective asks for (None: it asks for none), scored like the

@@ -44,6 +44,13 @@ class CalibrationConfig:
                 "kernel that reads it once; compiles on the first batch (~20 s on a small CPU), pays off on long "
                 "runs (bench/bench_engine.py --modes compiled measures it)",
     })
+    shard: str = field(default="none", metadata={
+        "help": "fsdp: under torchrun, shard the weights (each decoder layer, FSDP2) and the accumulators over the "
+                "ranks; every rank samples every prompt in step, the ranks split the scoring, rank 0 writes the run "
+                "(same result as one process; needs --no-stability, sequence-level objectives, no checkpoints); "
+                "none: each rank holds the whole model (data parallel under torchrun)",
+        "choices": ("none", "fsdp"),
+    })
     truncate_prompts: bool = field(default=False, metadata={
         "help": "cut prompts that do not fit the model's context with max_new_tokens to their last tokens "
                 "(counted in the report); default: refuse them before any sampling",
