@@ -192,7 +192,7 @@ class _Calibrator:
         self.rank, self.world = (0, 1) if self.fsdp else rank_world()
         self.collected: list = []  # fsdp: the batches to score, sharded, at the end
         if self.fsdp:
-            _refuse(fsdp.problems(config, objectives, checkpoint))
+            _refuse(fsdp.problems(model, config, objectives, checkpoint))
             self.verify = False  # plain autograd would reach the all-gathered weights, not the shards
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(self.seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)

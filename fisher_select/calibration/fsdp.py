@@ -44,9 +44,14 @@ def wrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def problems(config, objectives, checkpoint) -> list[str]:
-    """What ``--shard fsdp`` does not run yet, each with what to do instead."""
+def problems(model: nn.Module, config, objectives, checkpoint) -> list[str]:
+    """What ``--shard fsdp`` does not run (yet), each with what to do instead."""
+    from torch.distributed.tensor import DTensor
+
     out = []
+    if rank_world()[1] < 2 or not any(isinstance(p, DTensor) for p in model.parameters()):
+        out.append("shard=fsdp needs two or more ranks (torchrun) and a model wrapped by calibration.fsdp.wrap "
+                   "(the CLI wraps it); one process: drop --shard")
     if config.stability:
         out.append("--shard fsdp keeps no split-half diagnostics: add --no-stability")
     if config.accumulate_on != "device":
