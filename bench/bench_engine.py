@@ -7,7 +7,10 @@ running sums, as ``calibrate`` does (the floor into ``.grad``, the scoring pass 
 
 Modes (``--modes``): ``floor`` plain forward+backward of the summed response log-probability
 (``.grad`` on the parameters); ``scoring`` fisher_select squares + signal sums + score sums;
-``squares`` fisher_select squares alone; ``loop`` one forward+backward per sample (FISH-style);
+``squares`` fisher_select squares alone; ``budget`` the scoring pass in token-budget micro-batches
+(``--max-batch-tokens``, default auto, as ``calibrate`` runs it); ``compiled`` the scoring pass with
+``compile=True`` (its first step compiles: reported apart as ``compile_s``, never in the times);
+``loop`` one forward+backward per sample (FISH-style);
 ``opacus`` Opacus ``GradSampleModule`` per-sample gradients, squared and summed; ``vmap``
 ``torch.func.vmap(grad(...))`` over ``functional_call``; ``backpack`` BackPACK ``SumGradSquared``.
 Peers come from ``bench/requirements.txt``; one that is missing or fails is reported with the
@@ -23,6 +26,10 @@ when freed, so the RSS follows the live tensors).
     python bench/bench_engine.py                          # table, embedded default, 8 x 128
     python bench/bench_engine.py --json out.json --device cuda --batch 16
     python bench/bench_engine.py --sweep batch --plot bench/scaling-batch.png --json sweep.json
+    python bench/bench_engine.py --sweep length --modes floor,budget,loop --rounds 3   # the token budget
+
+Each table ends with the acceptance line: the engine (``budget`` where measured, else
+``scoring``) over the loop and over the best of the floor and the loop.
 """
 
 from __future__ import annotations
@@ -46,11 +53,18 @@ from torch import nn
 from fisher_select.engine.logprob import position_ids_from_mask, response_logprobs
 from fisher_select.engine.scoring import plan_coverage, score_sums
 
-MODES = ("floor", "scoring", "squares", "loop", "opacus", "vmap", "backpack")
+try:  # older trees (bench comparisons across versions) have neither
+    from fisher_select.engine.batching import auto_max_tokens, score_in_budget
+except ImportError:
+    auto_max_tokens = score_in_budget = None
+
+MODES = ("floor", "scoring", "squares", "budget", "compiled", "loop", "opacus", "vmap", "backpack")
 LABELS = {
     "floor": "plain forward+backward (floor)",
     "scoring": "fisher_select: squares + signal + score sums",
     "squares": "fisher_select: squares alone",
+    "budget": "fisher_select: token-budget micro-batches",
+    "compiled": "fisher_select: compiled reductions",
     "loop": "per-sample backward loop",
     "opacus": "Opacus GradSampleModule",
     "vmap": "torch.func vmap(grad)",
@@ -166,6 +180,42 @@ class Scoring:
 
     def squares(self):
         return self.sums.squares
+
+
+class Budget(Scoring):
+    """The scoring pass in micro-batches of at most ``--max-batch-tokens`` rows x length (auto: calibrate's)."""
+
+    def __init__(self, model, batch, args):
+        if score_in_budget is None:
+            raise Unavailable("this version has no token-budget micro-batches")
+        super().__init__(model, batch, args)
+        self.budget = args.max_batch_tokens or auto_max_tokens(model)
+        rows = max(1, min(batch.size, self.budget // batch.ids.shape[1]))
+        self.note = f"budget {self.budget} tokens: {rows} rows per micro-batch"
+
+    def step(self):
+        b = self.batch
+        self.sums = score_in_budget(self.model, b.ids, b.mask, b.resp, coverage=self.cov, into=self.sums,
+                                    max_tokens=self.budget, **self.kwargs)
+
+
+class Compiled(Scoring):
+    """The scoring pass with compile=True; the first step (the compilation) is timed apart."""
+
+    def __init__(self, model, batch, args):
+        if "compile" not in inspect.signature(score_sums).parameters:
+            raise Unavailable("this version has no compile option")
+        super().__init__(model, batch, args)
+        self.kwargs["compile"] = True
+        self.compile_s = None
+
+    def step(self):
+        if self.compile_s is not None:
+            return super().step()
+        t = time.perf_counter()
+        super().step()  # compiles, then runs: a warm-up step, so its sums count like every mode's
+        self.compile_s = time.perf_counter() - t
+        self.note = f"first step (compiling) {self.compile_s:.1f} s, not in the times"
 
 
 class _SquaresPeer:
@@ -334,6 +384,7 @@ class BackpackPeer(_SquaresPeer):
 
 FACTORIES = {
     "floor": Floor, "scoring": Scoring, "squares": lambda m, b, a: Scoring(m, b, a, squares_only=True),
+    "budget": Budget, "compiled": Compiled,
     "loop": lambda m, b, a: Loop(m, b), "opacus": OpacusPeer, "vmap": VmapPeer, "backpack": BackpackPeer,
 }
 
@@ -388,6 +439,7 @@ class Result:
     error: str | None = None
     note: str = ""
     check: float | None = None  # worst relative error of its squares vs the scoring pass, first batch
+    compile_s: float | None = None  # the compiled mode's first step (compilation + one step)
 
     @property
     def seconds(self) -> float | None:
@@ -464,6 +516,7 @@ def run_table(model, batch: Batch, args, modes) -> dict[str, Result]:
     _round(live, results, lambda mode: measured_step(mode, args.device), results_field="transient")
     for name, mode in live.items():
         results[name].note = results[name].note or getattr(mode, "note", "")
+        results[name].compile_s = getattr(mode, "compile_s", None)
     return results
 
 
@@ -512,8 +565,9 @@ def as_json(meta: dict, results: dict[str, Result]) -> dict:
                       "vs_floor": r.seconds / base if r.seconds and base else None,
                       "paired_ratios": paired,
                       "state_mib": r.state_bytes / MIB, "transient_mib": max(r.transient) / MIB if r.transient else None,
-                      "check_rel_err": r.check, "error": r.error, "note": r.note}
-    return {"meta": meta, "modes": rows}
+                      "check_rel_err": r.check, "error": r.error, "note": r.note, "compile_s": r.compile_s}
+    out = {"meta": meta, "modes": rows}
+    return {**out, "acceptance": acceptance(out)}
 
 
 def print_table(table: dict) -> None:
@@ -534,6 +588,22 @@ def print_table(table: dict) -> None:
         paired = f"{statistics.median(pr):.2f}x ({min(pr):.2f}..{max(pr):.2f})" if pr else "-"
         print(f"| {row['label']} | {row['median_s']:.2f} | {row['vs_floor']:.2f}x | {paired} | {row['state_mib']:.0f} "
               f"| {row['transient_mib']:.0f} | {check} | {note} |")
+    verdict = acceptance(table)
+    if verdict:
+        print(verdict)
+
+
+def acceptance(table: dict) -> str | None:
+    """Issue 23's test: the engine at or below the loop, and within 1.15x of the best of floor and loop."""
+    modes = table["modes"]
+    seconds = {m: r["median_s"] for m, r in modes.items() if r.get("median_s")}
+    engine = next((m for m in ("budget", "scoring") if m in seconds), None)
+    if engine is None or "loop" not in seconds:
+        return None
+    best = min(seconds[m] for m in ("floor", "loop") if m in seconds)
+    vs_loop, vs_best = seconds[engine] / seconds["loop"], seconds[engine] / best
+    ok = vs_loop <= 1.0 and vs_best <= 1.15
+    return f"acceptance ({engine}): {vs_loop:.2f}x the loop, {vs_best:.2f}x the best of floor and loop: {'PASS' if ok else 'FAIL'}"
 
 
 def one_table(args, model=None) -> dict:
@@ -614,6 +684,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--max-peer-gb", type=float, default=5.0,
                     help="skip peers whose batch x parameters fp32 per-sample gradients exceed this")
+    ap.add_argument("--max-batch-tokens", type=int, default=0,
+                    help="the budget mode's rows x length per micro-batch (0: auto, what calibrate uses)")
     ap.add_argument("--vmap-chunk", type=int, default=2,
                     help="samples per vmap(grad) call (0: the whole batch; memory grows with it)")
     ap.add_argument("--sweep", choices=list(SWEEPS))

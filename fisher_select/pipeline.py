@@ -10,6 +10,7 @@ from fisher_select.atomic import check_dir_target, check_writable
 from fisher_select.calibration.calibrator import Calibration, calibrate, check_inputs
 from fisher_select.calibration.checkpoint import CheckpointConfig
 from fisher_select.calibration.checkpoint import finish as finish_checkpoint
+from fisher_select.calibration import fsdp
 from fisher_select.calibration.prompts import load_prompts
 from fisher_select.calibration.rollouts import load_rollouts
 from fisher_select.calibration.sampling import SamplingConfig
@@ -30,8 +31,10 @@ class RunResult:
 
 def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False, progress: bool = True,
                recipe_name: str | None = None, command_line: list[str] | None = None,
-               resume: bool = False, log=None) -> RunResult:
+               resume: bool = False, log=None) -> RunResult | None:
     """Load model and prompts (or rollouts), calibrate every objective of the recipe, write the run directory.
+
+    None on the ranks other than 0 under ``shard: fsdp`` (rank 0 alone gathers the result).
 
     ``resume``: continue from the checkpoint in ``OUT.checkpoint`` (written every ``checkpoint_every``
     batches), if there is one; it is removed once the run directory is written.
@@ -53,6 +56,8 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     model_fingerprint = fingerprint(model)
     log(f"model loaded: {recipe.model} ({model_fingerprint['num_parameters']:,} parameters) on {device}")
+    if recipe.shard == "fsdp":  # after the fingerprint, which reads every full weight
+        model = fsdp.wrap(model)
     # Now the size is known: refuse a disk without room for the run before sampling, not after.
     check_writable(out.parent, run_bytes(model_fingerprint["num_parameters"], len(objectives)))
     ckpt = CheckpointConfig(checkpoint_folder(out), recipe.checkpoint_every, resume, discard_existing=overwrite,
@@ -62,6 +67,9 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
         cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
                         progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt,
                         log=log if rank == 0 else None)
+    if cal is None:  # --shard fsdp: rank 0 alone holds the gathered result; wait while it writes the run
+        finish_checkpoint(ckpt, rank, world)
+        return None
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
     settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,

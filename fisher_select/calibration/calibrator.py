@@ -20,12 +20,14 @@ from tqdm.auto import tqdm
 from fisher_select.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
                                                    rank_world, seed_for_rank, shard)
 from fisher_select.caveats import ZERO_SCALE_WARNING
-from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage, score_sums
+from fisher_select.engine.batching import auto_max_tokens, micro_batches, score_in_budget
+from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage
 from fisher_select.engine.memory import MemoryMode
 from fisher_select.errors import DegenerateResultWarning, FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
 from fisher_select.calibration.settings import CalibrationConfig
+from fisher_select.calibration import fsdp
 from fisher_select.calibration.budget import check_memory, estimate_memory, sampling_rows
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
 from fisher_select.engine.rules import guard_model
@@ -130,7 +132,8 @@ def calibrate(
                               checkpoint=checkpoint, log=log).execute(prompts)
     finally:
         model.train(was_training)
-    _warn_degenerate(cal)
+    if cal is not None:  # None: a rank other than 0 under shard: fsdp
+        _warn_degenerate(cal)
     return cal
 
 
@@ -142,6 +145,11 @@ def _warn_degenerate(cal: Calibration) -> None:
             cal.warnings.append(f"({o.name}) {ZERO_SCALE_WARNING}")
     if cal.warnings:
         warnings.warn("; ".join(cal.warnings), DegenerateResultWarning, stacklevel=3)
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise FisherSelectError("; ".join(problems))
 
 
 def check_inputs(prompts, objectives, k, sampling: SamplingConfig | None) -> None:
@@ -195,6 +203,9 @@ class _Calibrator:
         self.groups_per_batch = max(1, self.batch_size // self.k)
         rows = self.groups_per_batch * self.k  # K > batch size: one prompt's K rows, sampled and scored in chunks
         self.sample_rows, self.score_rows = sampling_rows(rows, self.batch_size), min(rows, self.batch_size)
+        # rows x padded length of one scoring pass; signals are known per row before scoring, so any split is exact
+        self.max_tokens = config.max_batch_tokens or auto_max_tokens(model)
+        self.engine = {"max_tokens": self.max_tokens, "compile": config.compile}  # every scoring call's settings
         self.device = next(model.parameters()).device
         self.memory = MemoryMode(config.accumulators, config.modules, config.accumulate_on)
         whole = plan_coverage(model)
@@ -203,7 +214,12 @@ class _Calibrator:
                                         "missing": self.memory.missing(self.cov, len(whole.shapes))}}
         self.eos = eos_ids_of(model, tokenizer)
         self.pad = pad_id_of(model, tokenizer)
-        self.rank, self.world = rank_world()
+        self.fsdp = config.shard == "fsdp"  # calibration.fsdp: every rank runs the whole pass in step
+        self.rank, self.world = (0, 1) if self.fsdp else rank_world()
+        self.collected: list = []  # fsdp: the batches to score, sharded, at the end
+        if self.fsdp:
+            _refuse(fsdp.problems(model, config, objectives, checkpoint))
+            self.verify = False  # plain autograd would reach the all-gathered weights, not the shards
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(self.seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)
         self.progress, self.truncate_prompts = progress, config.truncate_prompts
@@ -212,7 +228,7 @@ class _Calibrator:
         self.token_index = [i for i, o in enumerate(objectives) if o.token_level]
         self.token = self._token_level() if self.token_index else None
         self.samples: list[dict] = []
-        self.stability = _Stability(self.cov, self.memory) if config.stability else None
+        self.stability = _Stability(self.cov, self.memory, self.engine) if config.stability else None
 
     def execute(self, all_prompts: list[PromptRecord]) -> Calibration:
         every = self._render(all_prompts)
@@ -223,6 +239,8 @@ class _Calibrator:
         self._check_memory(rendered)
         self._run_batches(prompts, rendered)
         extra = [self._extra_mean_score(o) for o in self.objectives]
+        if self.fsdp and not self._score_collected():
+            return None  # rank 0 holds the gathered sums and writes the run
         if self.world > 1:
             self._merge_ranks()
         if self.rollouts is not None:  # from the merged sample records: every rank's responses
@@ -326,7 +344,8 @@ class _Calibrator:
             from fisher_select.models import fingerprint  # reads every weight once: only when asked to checkpoint
             model_id = fingerprint(self.model)["id"]
         return {"model": model_id, "samples_per_prompt": self.k, "max_new_tokens": self.max_new_tokens,
-                "seed": self.seed, "batch_size": self.batch_size, "prompts": digest(rendered),
+                "seed": self.seed, "batch_size": self.batch_size, "max_batch_tokens": self.max_tokens,
+                "prompts": digest(rendered),
                 "objectives": digest([o.describe() for o in self.objectives]),
                 "rollouts": self.rollouts.sha256 if self.rollouts is not None else None,
                 "stability": self.stability is not None, "memory": self.memory.describe()}
@@ -351,7 +370,7 @@ class _Calibrator:
         # the sign stream's seed comes from the sampling generator, drawn before any sampling
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
         draws = max(self.objectives[i].sign_draws for i in self.token_index)
-        return TokenLevel(self.model, self.cov, self.device, seed, draws, len(self.token_index))
+        return TokenLevel(self.model, self.cov, self.device, seed, draws, len(self.token_index), self.engine)
 
     def _sample(self, records, rendered) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
@@ -388,19 +407,32 @@ class _Calibrator:
 
     def _score_part(self, batch: _Batch) -> None:
         signal = self.memory.signal(batch.sequence_signal(self.device))  # (O, B), None: no signal sums kept
+        if self.fsdp:  # scored at the end, every rank its share (calibration.fsdp)
+            self.collected.append((batch.input_ids, batch.attention_mask, batch.response_mask, signal))
+            return
         args = (self.model, batch.input_ids, batch.attention_mask, batch.response_mask)
         first = self.sums is None
         if self.stability is not None:  # the two halves' prompts in two calls
             self.sums = self.stability.score(self.model, batch, signal, self.sums)
         elif first:
-            self.sums = score_sums(*args, signal, coverage=self.cov, **self.memory.score_kwargs())
+            self.sums = score_in_budget(*args, signal, coverage=self.cov, **self.engine, **self.memory.score_kwargs())
         else:
-            score_sums(*args, signal, coverage=self.cov, into=self.sums)
+            score_in_budget(*args, signal, coverage=self.cov, into=self.sums, **self.engine)
         if first and self.verify and self.sums.total is not None:  # the first batch's score sums against autograd
-            self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov)
+            self.checks["autograd"] = verify_against_autograd(*args, self.sums, self.cov, self.max_tokens)
         if self.token is not None:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*args[1:], token_signals)
+
+    def _score_collected(self) -> bool:
+        """fsdp: score the collected batches sharded; True on rank 0, which then holds the full sums."""
+        kw = self.memory.score_kwargs()
+        keep = set(self.cov.shapes) if self.memory.modules else None
+        objectives = None if not self.collected or self.collected[0][3] is None else self.collected[0][3].shape[0]
+        self.sums = fsdp.score_collected(self.model, self.collected, objectives, squares=kw["squares"],
+                                         totals=kw["totals"], params=keep, max_tokens=self.max_tokens,
+                                         max_rows=self.batch_size)
+        return self.sums is not None
 
     def _extra_mean_score(self, o: Objective) -> dict[str, torch.Tensor] | None:
         """Mean score of the rows an objective asks for (None: it asks for none), scored like the
@@ -412,7 +444,7 @@ class _Calibrator:
         mine = shard(rows, self.rank, self.world)
         for i in range(0, len(mine), self.batch_size):
             ids, mask, resp = pad_rows(mine[i : i + self.batch_size], self.pad, self.device)  # (B, T) each
-            score_sums(self.model, ids, mask, resp, coverage=self.cov, into=sums, squares=False)
+            score_in_budget(self.model, ids, mask, resp, coverage=self.cov, into=sums, squares=False, **self.engine)
         if self.world > 1:
             sums.count = all_reduce_int(sums.count, self.device)
             all_reduce_sums(sums.total)
@@ -510,11 +542,13 @@ def _check_word(value) -> str:
     return str(value)
 
 
-def verify_against_autograd(model, input_ids, attention_mask, response_mask, sums: ScoreSums, cov: Coverage) -> dict:
+def verify_against_autograd(model, input_ids, attention_mask, response_mask, sums: ScoreSums, cov: Coverage,
+                            max_tokens: int | None = None) -> dict:
     """Compare the engine's ``sum_n h_n`` with plain autograd of ``sum_n l_n``.
 
     A parameter used outside the module that holds it (a functional matmul with another
     module's weight) would be missed by the hooks; this catches it on the first batch.
+    ``max_tokens``: the scoring's token budget, which caps this pass's activations too.
     """
     params = {n: p for n, p in cov.params.items()
               if n in cov.shapes and p.is_floating_point() and tuple(p.shape) == cov.shapes[n]}  # kept ones only
@@ -522,8 +556,7 @@ def verify_against_autograd(model, input_ids, attention_mask, response_mask, sum
     try:
         for p in params.values():
             p.requires_grad_(True)
-        logp = response_logprobs(model, input_ids, attention_mask, response_mask)
-        grads = torch.autograd.grad(logp.sum(), list(params.values()), allow_unused=True)
+        grads = _summed_grads(model, (input_ids, attention_mask, response_mask), list(params.values()), max_tokens)
     finally:
         for n, p in params.items():
             p.requires_grad_(saved[n])
@@ -544,6 +577,19 @@ def verify_against_autograd(model, input_ids, attention_mask, response_mask, sum
     return {"max_relative_error": worst, "parameter": worst_name, "tolerance": tol}
 
 
+def _summed_grads(model, batch: tuple, params: list, max_tokens: int | None) -> list:
+    """Autograd of the batch's summed log-probabilities (batch: (B, T) ids, mask, response mask), a
+    micro-batch at a time when the batch exceeds ``max_tokens``; None for a parameter without gradient."""
+    parts = micro_batches(batch[1], max_tokens)
+    total = [None] * len(params)
+    for rows in parts:
+        pick = torch.tensor(rows, device=batch[0].device)
+        part = batch if len(parts) == 1 else tuple(t.index_select(0, pick) for t in batch)  # (b, T) each
+        grads = torch.autograd.grad(response_logprobs(model, *part).sum(), params, allow_unused=True)
+        total = [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
+    return total
+
+
 def score_mean_summary(c: ScoreMeanConformity) -> dict:
     """``checks["score_mean"]``: the check's headline numbers (``stats.conformity`` computes it)."""
     return {"rms_z": c.all.rms_z, "coordinates": c.all.coordinates, "share_above_3": c.robust.share_above,
@@ -562,8 +608,10 @@ class TokenLevel:
     with token weights ``A_t``. Gradients are kept per token-level objective, by position.
     """
 
-    def __init__(self, model, coverage: Coverage, device, seed: int, draws: int, objectives: int):
+    def __init__(self, model, coverage: Coverage, device, seed: int, draws: int, objectives: int,
+                 engine: dict | None = None):
         self.model, self.cov, self.device, self.draws = model, coverage, device, draws
+        self.engine = engine or {"max_tokens": None}  # micro-batches; the signs are drawn for the whole batch first
         self.signs = torch.Generator(device=device).manual_seed(seed)
         self.squares: ScoreSums | None = None
         self.grads: list[ScoreSums | None] = [None] * objectives
@@ -574,13 +622,14 @@ class TokenLevel:
         args = (self.model, input_ids, attention_mask, response_mask)
         for _ in range(self.draws):
             eps = torch.randint(0, 2, input_ids.shape, generator=self.signs, device=self.device) * 2.0 - 1
-            self.squares = score_sums(*args, token_weights=eps, coverage=self.cov, into=self.squares)
+            self.squares = score_in_budget(*args, token_weights=eps, coverage=self.cov, into=self.squares,
+                                           **self.engine)
         for j, rows in enumerate(token_signals):
             weights = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)  # (B, T)
             for b, a in enumerate(rows):
                 weights[b, response_mask[b]] = a.to(weights)
-            self.grads[j] = score_sums(*args, token_weights=weights, coverage=self.cov, into=self.grads[j],
-                                       squares=False)
+            self.grads[j] = score_in_budget(*args, token_weights=weights, coverage=self.cov, into=self.grads[j],
+                                            squares=False, **self.engine)
 
     def merge_ranks(self) -> None:
         if self.squares is None:
@@ -638,8 +687,8 @@ class _Stability:
     module masses: its per-parameter sum of h^2 and its sample count.
     """
 
-    def __init__(self, cov: Coverage, memory: MemoryMode | None = None):
-        self.cov, self.memory = cov, memory or MemoryMode()
+    def __init__(self, cov: Coverage, memory: MemoryMode | None = None, engine: dict | None = None):
+        self.cov, self.memory, self.engine = cov, memory or MemoryMode(), engine or {"max_tokens": None}
         self.names = list(cov.shapes)
         self.squares_a: dict[str, torch.Tensor] | None = None
         self.samples, self.prompts = [0, 0], [0, 0]  # [half A, half B]
@@ -666,8 +715,9 @@ class _Stability:
             if sums is None:  # signal None: the memory mode keeps no signal sums
                 sums = self.memory.zeros(self.cov, 0 if signal is None else signal.shape[0])
             target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0)
-            score_sums(model, ids[:, start:], mask[:, start:], resp[:, start:],
-                       None if signal is None else signal.index_select(1, rows), coverage=self.cov, into=target)
+            score_in_budget(model, ids[:, start:], mask[:, start:], resp[:, start:],
+                            None if signal is None else signal.index_select(1, rows), coverage=self.cov, into=target,
+                            **self.engine)
             if half == 0:
                 sums.count += target.count
             self.samples[half] += len(rows)

@@ -32,6 +32,25 @@ class CalibrationConfig:
         "help": "responses per sampling and backward batch, whole prompts of K at a time; trades memory for speed",
         "min": 1,
     })
+    max_batch_tokens: int | None = field(default=None, metadata={
+        "help": "most tokens (rows x padded length) one scoring forward+backward holds; a longer batch is scored in "
+                "micro-batches of rows of similar length (same sums up to fp32 rounding; batch_size stays the most "
+                "rows); default: auto, about 2 GiB of activations on CPU and 16 GiB on CUDA, from the model's layer "
+                "widths (docs/SCALING.md)",
+        "min": 1,
+    })
+    compile: bool = field(default=False, metadata={
+        "help": "reduce each per-sample gradient piece (squares, score sums, signal sums) in one torch.compile'd "
+                "kernel that reads it once; compiles on the first batch (~20 s on a small CPU), pays off on long "
+                "runs (bench/bench_engine.py --modes compiled measures it)",
+    })
+    shard: str = field(default="none", metadata={
+        "help": "fsdp: under torchrun, shard the weights (each decoder layer, FSDP2) and the accumulators over the "
+                "ranks; every rank samples every prompt in step, the ranks split the scoring, rank 0 writes the run "
+                "(same result as one process; needs --no-stability, sequence-level objectives, no checkpoints); "
+                "none: each rank holds the whole model (data parallel under torchrun)",
+        "choices": ("none", "fsdp"),
+    })
     truncate_prompts: bool = field(default=False, metadata={
         "help": "cut prompts that do not fit the model's context with max_new_tokens to their last tokens "
                 "(counted in the report); default: refuse them before any sampling",

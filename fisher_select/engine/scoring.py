@@ -143,8 +143,10 @@ class _Sums:
     """
 
     def __init__(self, cov: Coverage, signal: torch.Tensor | None, into: ScoreSums | None, squares: bool = True,
-                 dtype: torch.dtype = torch.float32, *, totals: bool = True, device=None, batch: int = 0):
+                 dtype: torch.dtype = torch.float32, *, totals: bool = True, device=None, batch: int = 0,
+                 compiled: bool = False):
         self.cov, self.dtype, self.batch = cov, dtype, batch
+        self.compiled = compiled  # one fused kernel per dense piece (torch.compile), see _fused_reductions
         # a: (O, B) -- one row per objective; a 1-D signal is one objective.
         self.a = signal.detach().to(dtype).reshape(-1, signal.shape[-1]) if signal is not None else None
         self._weights_on: dict = {}
@@ -193,6 +195,9 @@ class _Sums:
         """
         flat = g.reshape(g.shape[0], -1)  # (b, P)
         weights = self._weights(g.device, g.dtype)
+        if self.compiled:
+            self._add_fused(name, flat, None if weights is None else weights[:, start : start + g.shape[0]], rows)
+            return
         if weights is not None:
             reduced = torch.mm(weights[:, start : start + g.shape[0]], flat)  # (K, P)
             k = 0
@@ -202,6 +207,18 @@ class _Sums:
         if self.squares is not None:
             sq = self.squares[name] if rows is None else self.squares[name][rows]
             self._add(sq.view(-1), _sum_of_squares(flat))
+
+    def _add_fused(self, name: str, flat: torch.Tensor, weights: torch.Tensor | None, rows: slice | None) -> None:
+        """add_dense's reductions in one compiled kernel: the (b, P) piece is read once, not once per sum."""
+        sq, reduced = _fused_reductions(flat, weights, self.squares is not None)  # (P,) or None, (K, P) or None
+        if reduced is not None:
+            k = 0
+            for target in self._linear_targets(name, rows):
+                self._add(target, reduced[k : k + target.shape[0]])
+                k += target.shape[0]
+        if sq is not None:
+            acc = self.squares[name] if rows is None else self.squares[name][rows]
+            self._add(acc.view(-1), sq)
 
     def single_weights(self, device) -> torch.Tensor | None:
         """(B,): the one weighted sum a squares-free pass keeps (score sums, or one signal), else None."""
@@ -232,6 +249,27 @@ class _Sums:
         if acc.device != value.device:
             row, value = row.to(acc.device), value.to(acc.device)
         acc.index_add_(dim, row, value)
+
+
+def _reductions(flat: torch.Tensor, weights: torch.Tensor | None, squares: bool):
+    """flat (b, P), weights (K, b) -> (sum_n flat_n**2 (P,), weights @ flat (K, P)), each None when not asked.
+
+    Written as elementwise products and sums over n so inductor emits one loop over the piece
+    computing every sum (a GEMM with K = 1 + O rows and a separate squares pass read it twice).
+    """
+    sq = (flat * flat).sum(0) if squares else None
+    reduced = None if weights is None else (weights[:, :, None] * flat[None]).sum(1)
+    return sq, reduced
+
+
+_COMPILED = {}
+
+
+def _fused_reductions(flat: torch.Tensor, weights: torch.Tensor | None, squares: bool):
+    """``_reductions`` compiled once per process (dynamic shapes: one graph for every layer's piece)."""
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_reductions, dynamic=True)
+    return _COMPILED["fn"](flat, weights, squares)
 
 
 def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
@@ -478,6 +516,7 @@ def score_sums(
     accumulate_on: torch.device | str | None = None,
     accumulate_dtype: torch.dtype = torch.float32,
     done=None,
+    compile: bool = False,
 ) -> ScoreSums:
     """Exact sums over the batch of per-sample scores, their squares and signal-weighted scores.
 
@@ -506,6 +545,10 @@ def score_sums(
     repeated parameters after their parts are joined, fallback ones after their loop), once per
     accumulated parameter, in the same order for the same model and batch layout. Sharded
     scoring (``engine.sharded``) reduce-scatters each layer's sums there and frees them.
+
+    ``compile``: reduce each dense per-sample piece (Linear, Conv1D, norms) with one
+    ``torch.compile``d kernel that reads it once for squares, score sums and signal sums
+    (compiled on first use, once per process; same sums up to fp32 summation order).
     """
     batch = input_ids.shape[0]
     if response_mask[:, 0].any():
@@ -514,7 +557,8 @@ def score_sums(
         raise FisherSelectError(f"signal must have shape ({batch},) or (objectives, {batch}), got {tuple(signal.shape)}")
     cov = _restricted(coverage or plan_coverage(model), params)
     rules.check_model(model)
-    sums = _Sums(cov, signal, into, squares, accumulate_dtype, totals=totals, device=accumulate_on, batch=batch)
+    sums = _Sums(cov, signal, into, squares, accumulate_dtype, totals=totals, device=accumulate_on, batch=batch,
+                 compiled=compile)
     run = _Pass(cov, sums, block, accumulate_dtype, done)
     with _frozen_for_pass(cov), run.hooks():
         logp = response_logprobs(model, input_ids, attention_mask, response_mask, token_weights)  # (B,)
