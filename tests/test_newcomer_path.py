@@ -94,8 +94,8 @@ def test_k_above_the_batch_size_is_scored_in_batch_size_chunks_with_the_same_res
 
     whole = _calibrate_rl(batch_size=K_BIG)  # one scoring call per prompt
     widths = []
-    real = calibrator.score_sums
-    monkeypatch.setattr(calibrator, "score_sums", lambda model, ids, *a, **k: widths.append(len(ids)) or
+    real = calibrator.score_in_budget  # every scoring call of the calibration goes through it
+    monkeypatch.setattr(calibrator, "score_in_budget", lambda model, ids, *a, **k: widths.append(len(ids)) or
                         real(model, ids, *a, **k))
     chunked = _calibrate_rl(batch_size=3)  # the same draws (one sampling call of K rows), scored 3 rows at a time
     assert max(widths) <= 3 and chunked.num_samples == whole.num_samples == K_BIG * len(PROMPTS)
