@@ -4,13 +4,17 @@ learning rate chosen on the validation split alone, and LoRA budgets matched on 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+from pathlib import Path
 
 import peft
 import pytest
 
 from fisher_select.calibration.calibrator import calibrate
-from fisher_select.calibration.objectives import SFTDemonstrationsObjective
+from fisher_select.calibration.objectives import (OPDFullObjective, OPDPGObjective, RLObjective,
+                                                  SFTDemonstrationsObjective)
+from fisher_select.calibration.teachers import Teacher
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
 from fisher_select.outputs.lora import lora_config, trainable_lora_parameters
@@ -19,9 +23,10 @@ from fisher_select.training.outcomes import (ADAPTER_METHODS, METHODS, MODULE_ME
                                              write_outcomes)
 from fisher_select.training.validate import Setup
 from tests.runs import make_run
-from tests.test_validate import DemoTokenizer, _prompts
-from tests.tiny import tiny_model
+from tests.test_validate import DemoTokenizer, _prompts, _reward
+from tests.tiny import TinyTokenizer, tiny_model
 
+ROOT = Path(__file__).resolve().parent.parent
 FAST = dict(steps=2, prompts_per_step=2, samples_per_prompt=1, max_new_tokens=4, batch_size=8, shira_r=2,
             lora_mean_rank=4, validation_prompts=2, heldout_prompts=2)
 
@@ -118,3 +123,53 @@ def test_bad_study_settings_are_listed_in_one_error(tmp_path):
         assert part in str(err.value)
     with pytest.raises(FisherSelectError, match="only 1 are left"):  # 4 prompts: 3 train, 1 left for 2 + 2
         outcome_study(run, OutcomeConfig(**FAST), setup=setup)
+
+
+def test_bench_command_on_a_calibrated_run_directory(tmp_path, small_llama_dir, capsys):
+    """calibrate through the CLI, then bench/outcomes.py: the JSON, the plot, the table from the JSON alone,
+    and a refusal of the wrong kind before any training."""
+    from fisher_select.cli import main as cli
+
+    spec = importlib.util.spec_from_file_location("bench_outcomes", ROOT / "bench" / "outcomes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run_dir = tmp_path / "run"
+    assert cli(["calibrate", "--recipe", "sft-demonstrations", "--model", str(small_llama_dir), "--out", str(run_dir),
+                "--num-prompts", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
+    common = [str(run_dir), "--densities", "0.01", "--lr-multipliers", "1", "--full-lr-multipliers", "1",
+              "--seeds", "1", "--steps", "1", "--validation-prompts", "2", "--heldout-prompts", "2",
+              "--prompts-per-step", "2", "--samples-per-prompt", "1", "--methods", "bound", "grad_estimate",
+              "lora_config", "--calibration-seconds", "12.5"]
+    assert bench.main([*common, "--kind", "rl"]) == 2 and "not 'rl'" in capsys.readouterr().err
+    out, plot = tmp_path / "outcomes-sft.json", tmp_path / "outcomes-sft.png"
+    assert bench.main([*common, "--kind", "sft", "--json", str(out), "--plot", str(plot)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"bound@0.01", "grad_estimate@0.01", "lora_config"}
+    assert "unavailable" not in report["methods"]["grad_estimate@0.01"]  # read from the run's own file
+    assert report["selection_seconds"]["calibration"] == 12.5 and plot.stat().st_size > 0
+    capsys.readouterr()
+    assert bench.main(["--table", str(out)]) == 0
+    assert "| bound@0.01 | mask |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["rl", "opd-pg", "opd-full"])
+def test_on_policy_kinds_report_signal_and_finished_shares_and_keep_the_teacher(kind):
+    """RL and both distillations through the study: rows with signal and finished responses are shares, and
+    the adapted copies get their own task without rebinding (or reloading) the objective's teacher."""
+    model, tok, prompts = tiny_model("llama-tied"), TinyTokenizer(64), _prompts(8)
+    objective = {"rl": lambda: RLObjective(_reward),
+                 "opd-pg": lambda: OPDPGObjective(Teacher(tiny_model("llama-tied", seed=1))),
+                 "opd-full": lambda: OPDFullObjective(Teacher(tiny_model("llama-tied", seed=1)))}[kind]()
+    cal = calibrate(model, tok, prompts[:4], objective, samples_per_prompt=4, max_new_tokens=5, progress=False)
+    run = make_run(cal.fisher, objectives=[{"name": kind, "signal_scale": cal.signal_scale}],
+                   fingerprint=fingerprint(model))
+    teacher = getattr(objective, "teacher", None)
+    config = OutcomeConfig(densities=(0.1,), lr_multipliers=(1.0,), full_lr_multipliers=(1.0,), base_lr=1e-2,
+                           seeds=2, methods=("bound", "lora_config", "shira_fisher"),
+                           **(FAST | {"samples_per_prompt": 4, "max_new_tokens": 5}))
+    report = outcome_study(run, config, setup=Setup(model, tok, objective, prompts[:4], prompts[4:], True),
+                           grad_estimate=cal.grad_estimate)
+    assert report["kind"] == kind and getattr(objective, "teacher", None) is teacher
+    assert 0 <= report["signal_share"] <= 1 and 0 <= report["finished_share"] <= 1
+    assert report["task"]["higher_is_better"] == (kind != "opd-full")  # full distillation reports KL
+    assert set(report["methods"]) == {"bound@0.1", "lora_config", "shira_fisher"}

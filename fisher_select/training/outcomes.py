@@ -40,7 +40,7 @@ from fisher_select.atomic import write_file
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.lora import lora_hints, trainable_lora_parameters
 from fisher_select.outputs.shira import shira_config
-from fisher_select.rundir import Run, load_run, read_tensors, write_json
+from fisher_select.rundir import Run, load_run, load_run_report, read_tensors, write_json
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
 from fisher_select.training import baselines, plots
@@ -466,10 +466,12 @@ def attention_modules(model) -> list[str]:
             and any(w in part for part in name.split(".") for w in ATTENTION_WORDS)]
 
 
-def check_kind(report: dict, kind: str) -> None:
-    """Refuse a study whose objective is not the kind asked for (the file name promises it)."""
-    if report["kind"] != kind:
-        raise FisherSelectError(f"the run's objective is {report['kind']!r}, not {kind!r}")
+def check_kind(run_dir, kind: str) -> None:
+    """Refuse, before any training, a run whose primary objective is not the kind asked for."""
+    found = load_run_report(run_dir).objectives[0].type
+    if found != kind:
+        raise FisherSelectError(f"run {run_dir} was calibrated for a {found!r} objective, not {kind!r}; "
+                                f"calibrate the {kind} recipe (docs/OUTCOMES.md)")
 
 
 def _fmt(x) -> str:
