@@ -174,6 +174,7 @@ class _Study:
         self.total = sum(t.numel() for t in self.theta0.values())
         self.grad_estimate = grad_estimate
         self.logs: list[list[dict]] = []
+        self.budget: int | str | None = None  # lora_config's trainable count (or why there is none)
 
     def _task_on(self, model):
         """The run's objective as a task on ``model``; a teacher loaded from elsewhere is reused, not reloaded."""
@@ -349,8 +350,11 @@ class _Study:
             return Method("kappatune", "modules", unavailable=how)
         return self._module_masks("kappatune", targets, how)
 
+    def _hints(self):
+        return lora_hints(self.run, mean_rank=self.config.lora_mean_rank, model=self.setup.model)
+
     def _lora_config(self) -> Method:
-        hints = lora_hints(self.run, mean_rank=self.config.lora_mean_rank, model=self.setup.model)
+        hints = self._hints()
         return self._adapter("lora_config", "lora", lambda seed: hints.peft_config(),
                              [f"fisher_select lora_config: {len(hints.target_modules)} targets, total rank "
                               f"{sum(hints.ranks.values())}"])
@@ -377,13 +381,12 @@ class _Study:
         return self._uniform_lora("lora_attention", names)
 
     def _lora_budget(self) -> int | str:
-        if not hasattr(self, "_budget"):
+        if self.budget is None:  # counted once, on a copy adapted with lora_config
             try:
-                hints = lora_hints(self.run, mean_rank=self.config.lora_mean_rank, model=self.setup.model)
-                self._budget = self._count(hints.peft_config())
+                self.budget = self._count(self._hints().peft_config())
             except FisherSelectError as err:
-                self._budget = f"lora_config failed, so there is no count to match: {err}"
-        return self._budget
+                self.budget = f"lora_config failed, so there is no count to match: {err}"
+        return self.budget
 
     def _shira_targets(self, model) -> list[str]:
         return list(shira_config(self.run, model, r=self.config.shira_r).target_modules)
