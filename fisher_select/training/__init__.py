@@ -5,5 +5,6 @@ well a run's ranking (and its peers' rules) predicts which coordinates move (`fi
 - ``movement``: parameter snapshots and realized movement ``|theta_T - theta_0|`` in fp32;
 - ``metrics``: AUROC, precision/recall@k, Jaccard@k, Spearman on a seeded coordinate subsample;
 - ``baselines``: random, ``|theta|``, single-batch ``|grad|``, Spectrum's weight SNR, PEFT's KappaTune;
-- ``validate``: the orchestration behind ``validation.json``; ``plots``: its figures.
+- ``validate``: the orchestration behind ``validation.json``; ``plots``: its figures;
+- ``outcomes``: the matched-budget outcome study (``bench/outcomes.py``, docs/OUTCOMES.md).
 """

@@ -84,6 +84,7 @@ class Batch:
     sign: float  # loss = sign * sum_rows sum_t w_t log pi(y_t|s_t) / len(rows)
     outcome: float  # the step's objective value (mean reward, mean NLL, ...) on these rows
     groups: list[list[int]] = field(default_factory=list)  # row indices per prompt group (split points)
+    finished: int | None = None  # sampled responses that ended before max_new_tokens (None: not sampled)
 
     def rows_with_signal(self) -> int:
         """Rows whose loss weights are not all 0 (RL: a prompt whose K rewards are equal trains nothing)."""
@@ -136,7 +137,13 @@ class OnPolicyTask:
                             + ("loss +mean_n sum_t A_t log pi(y_t|s_t) (token level)" if objective.token_level
                                else "loss -mean_n a_n l_n with the objective's own signal a_n"))
         self.outcome_name = "mean per-sample value of the objective (reward for RL)"
+        # RL reward and PG distillation's sigma = -KL per sample go up; full-vocabulary distillation reports KL
+        self.higher_is_better = not objective.token_level
         self.population = None  # fresh samples every step: an infinite population
+
+    def restart(self) -> None:
+        """Forget the prompt order, so that a run with a given seed sees the same prompts as any other."""
+        self.order = _Order(len(self.records))
 
     def step_rows(self, prompts: int) -> int:
         return prompts * self.k
@@ -162,7 +169,7 @@ class OnPolicyTask:
         finite = [v for v in values if v is not None and abs(v) != float("inf")]
         outcome = sum(finite) / len(finite) if finite else float("nan")
         sign = 1.0 if self.objective.token_level else -1.0  # token level: KL descent; else ascent of E[a l]
-        return Batch(rows, weights, sign, outcome, index)
+        return Batch(rows, weights, sign, outcome, index, sum(sum(g.ended) for g in groups))
 
     def _sample(self, records, rendered, gen) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
@@ -201,7 +208,12 @@ class DemonstrationTask:
         self.description = ("SFT from demonstrations: loss -mean over a minibatch of demonstration rows of the "
                             "summed log-likelihood (prompts_per_step x samples_per_prompt rows, at most all of them)")
         self.outcome_name = "mean negative log-likelihood per demonstration (summed over its tokens)"
+        self.higher_is_better = False
         self.population = len(self.rows)  # minibatches are drawn without replacement from these rows
+
+    def restart(self) -> None:
+        """Forget the minibatch order, so that a run with a given seed sees the same rows as any other."""
+        self.order = _Order(len(self.rows))
 
     def step_rows(self, prompts: int) -> int:
         return min(len(self.rows), prompts * self.k)
@@ -295,7 +307,7 @@ def train(model, task, settings: TrainConfig, *, masks: dict | None = None, spar
             if after_step is not None:
                 after_step(step)
             log.append({"step": step, "loss": loss, "outcome": batch.outcome, "rows": len(batch.rows),
-                        "rows_with_signal": batch.rows_with_signal()})
+                        "rows_with_signal": batch.rows_with_signal(), "finished": batch.finished})
         optimizer.zero_grad(set_to_none=True)
         return log
     finally:

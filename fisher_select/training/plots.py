@@ -59,3 +59,30 @@ def objective_curves(path: Path, runs: dict[str, list[dict]], ylabel: str) -> No
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def recovery_curves(path: Path, report: dict) -> None:
+    """The outcome study's share recovered against density: one curve per mask rule (mean, band min..max
+    over seeds), one point with its min..max bar per module, LoRA or SHiRA method; 1 = full fine-tuning."""
+    fig = Figure(figsize=(7, 5))
+    ax = fig.subplots()
+    curves: dict[str, list] = {}
+    for m in report["methods"].values():
+        known = [s for s in m.get("recovered", []) if s is not None]
+        if known and len(known) == len(m["recovered"]):
+            curves.setdefault(m["method"], []).append((m["density"], sum(known) / len(known), min(known), max(known)))
+    for name, points in sorted(curves.items()):
+        x, mean, lo, hi = zip(*sorted(points))
+        if len(points) > 1:
+            line, = ax.plot(x, mean, marker="o", label=name)
+            ax.fill_between(x, lo, hi, alpha=0.2, color=line.get_color())
+        else:
+            ax.errorbar(x, mean, yerr=[[mean[0] - lo[0]], [hi[0] - mean[0]]], marker="s", linestyle="", capsize=3,
+                        label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="full fine-tuning")
+    ax.set_xscale("log")
+    ax.set_xlabel("trainable share of the parameters (density)")
+    ax.set_ylabel("share of full fine-tuning's held-out gain recovered")
+    ax.set_title(f"{report['kind']}: mean over seeds, band/bar = min..max")
+    ax.legend(fontsize=7, loc="best")
+    fig.savefig(path, dpi=120, bbox_inches="tight", format="png")  # path may be a temporary name
