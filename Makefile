@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 
 demo:
 	bash scripts/setup.sh
-	HF_HUB_OFFLINE=1 $(BIN)/fisher-select calibrate --recipe recipes/rl-arithmetic.yaml --out runs/demo --overwrite
+	HF_HUB_OFFLINE=1 $(BIN)/fisher-select calibrate --recipe recipes/rl-arithmetic-graded.yaml --out runs/demo --overwrite
 	$(BIN)/fisher-select select runs/demo --top 0.01 --out runs/demo/mask.safetensors
 
 test:

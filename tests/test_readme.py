@@ -45,7 +45,7 @@ def workdir(tmp_path_factory):
     """A folder as `make demo` leaves it (smaller): runs/demo, its mask, and the shipped recipes."""
     work = tmp_path_factory.mktemp("readme")
     (work / "recipes").symlink_to(ROOT / "recipes")
-    demo = f"fisher-select calibrate --recipe recipes/rl-arithmetic.yaml --out runs/demo --overwrite {SMALL}"
+    demo = f"fisher-select calibrate --recipe recipes/rl-arithmetic-graded.yaml --out runs/demo --overwrite {SMALL}"
     shell(f"{demo} && fisher-select select runs/demo --top 0.01 --out runs/demo/mask.safetensors", work)
     return work
 

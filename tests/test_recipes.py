@@ -17,7 +17,8 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import EMBEDDED_DEFAULT
 from fisher_select.calibration.prompts import load_prompts
 
-MINE = sorted(p for pattern in ("sft-*.yaml", "opd-pg-*.yaml", "opd-full-*.yaml") for p in recipes_dir().glob(pattern))
+MINE = sorted(p for pattern in ("sft-*.yaml", "opd-pg-*.yaml", "opd-full-*.yaml", "rl-arithmetic-graded.yaml")
+              for p in recipes_dir().glob(pattern))
 
 
 def test_the_recipes_exist():
@@ -137,6 +138,24 @@ def test_demonstrations_file_covers_every_prompt_of_the_prompts_file():
     prompts = load_prompts(recipe.prompts)
     objective.prepare(None, prompts)  # raises naming the first prompt without a demonstration
     assert len(objective.pairs) == len(prompts) and objective.unused == 0
+
+
+def test_chat_prompts_are_made_from_the_problems_and_their_examples_give_no_answer_away():
+    """recipes/data/arithmetic_chat.jsonl is made from arithmetic.jsonl: regenerate it when that changes
+    (python recipes/data/make_arithmetic_chat.py)."""
+    import importlib.util
+    import json
+
+    data = recipes_dir() / "data"
+    spec = importlib.util.spec_from_file_location("make_arithmetic_chat", data / "make_arithmetic_chat.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    problems = [json.loads(line) for line in (data / "arithmetic.jsonl").read_text().splitlines() if line.strip()]
+    chats = [json.loads(line) for line in (data / "arithmetic_chat.jsonl").read_text().splitlines() if line.strip()]
+    assert chats == [maker.chat(p) for p in problems]
+    asked = {p["prompt"] for p in problems}
+    assert all(q + maker.SUFFIX not in asked for q, _ in maker.EXAMPLES)
+    assert {float(a) for _, a in maker.EXAMPLES}.isdisjoint(float(p["answer"]) for p in problems)
 
 
 # --- one source of config: errors, generated docs, defaults ------------------------------------------------
