@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow  # every README command, in order, on the embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-# Big enough that some reward varies (S > 0), which `select --threshold` needs.
-SMALL = "--num-prompts 4 --samples-per-prompt 8 --max-new-tokens 16 --no-progress"
+# Big enough that some reward varies (S > 0, which `select --threshold` needs): the demo recipe's graded
+# reward varies within almost every prompt.
+SMALL = "--num-prompts 2 --samples-per-prompt 4 --max-new-tokens 8 --no-progress"
 
 
 def fenced_blocks(text: str, language: str) -> list[str]:
