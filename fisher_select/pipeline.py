@@ -18,6 +18,7 @@ from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
 from fisher_select.errors import DegenerateResultWarning
 from fisher_select.distributed import init_from_env, rank_world
 from fisher_select.models import fingerprint, load_model
+from fisher_select.timing import PhaseClock
 from fisher_select.run_report import build_report, write_run
 from fisher_select.rundir import ModelInfo, RunReport, checkpoint_folder, run_bytes
 
@@ -42,6 +43,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     progress bars.
     """
     log = log or (lambda line: None)
+    clock = PhaseClock()  # report.json's timings: every phase from here to the written run
     out = Path(out)
     check_dir_target(out, overwrite)  # refuse before spending minutes on calibration
     device = init_from_env(recipe.device)  # torchrun / accelerate: one rank per device
@@ -53,8 +55,10 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     sampling = SamplingConfig(**recipe.sampling)  # checked by load_recipe (and again by calibrate, for API callers)
     # The prompt and objective checks, before minutes of model loading; the sampling keys are not re-checked.
     check_inputs(prompts, objectives, k, None)  # sampling: checked by load_recipe
+    clock.lap("setup")
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     model_fingerprint = fingerprint(model)
+    clock.lap("model_load")
     log(f"model loaded: {recipe.model} ({model_fingerprint['num_parameters']:,} parameters) on {device}")
     if recipe.shard == "fsdp":  # after the fingerprint, which reads every full weight
         model = fsdp.wrap(model)
@@ -70,6 +74,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     if cal is None:  # --shard fsdp: rank 0 alone holds the gathered result; wait while it writes the run
         finish_checkpoint(ckpt, rank, world)
         return None
+    clock.lap("calibration")
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
     settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,
@@ -79,8 +84,9 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
                           command_line=command_line)
     if recipe.mix:
         report.mixed_bound = _mixed_summary(cal, recipe.mix)
+    clock.lap("report")
     if rank == 0:  # every rank holds the merged result; one writes it
-        write_run(out, cal, report, overwrite)
+        write_run(out, cal, report, overwrite, clock)
         log(f"written: {out}")
     finish_checkpoint(ckpt, rank, world)
     return RunResult(cal, report, out)

@@ -26,8 +26,9 @@ from fisher_select.report.warnings import run_warnings
 from fisher_select.rundir import (HTML_FILE, MARKDOWN_FILE, REPORT_FILE, SAMPLES_FILE, ModelInfo, ModuleEntry,
                                   ObjectiveEntry, RunReport, grad_file_for, load_run, load_run_report, new_run_id,
                                   read_run_samples,
-                                  read_tensors, utc_now, write_json, write_run_files)
+                                  read_tensors, utc_now, write_json, write_run_tensors)
 from fisher_select.stats.naming import module_of
+from fisher_select.timing import PhaseClock
 from fisher_select.version import __version__
 
 
@@ -170,13 +171,29 @@ def environment() -> dict:
             "world_size": rank_world()[1]}
 
 
-def write_run(out: Path, cal, report: RunReport, overwrite: bool) -> Path:
-    """The run directory, atomically: tensors, samples and report.json (``rundir.write_run_files``),
-    then report.html and report.md. The one writer of a whole run."""
+def write_run(out: Path, cal, report: RunReport, overwrite: bool, clock: PhaseClock | None = None) -> Path:
+    """The run directory, atomically: tensors and samples, report.html and report.md, then report.json.
+    The one writer of a whole run. ``clock``: the run's phase clock; writing is its last lap, and
+    ``report.timings`` (in report.json) then holds every phase."""
 
     def writer(tmp: Path) -> None:
-        write_run_files(tmp, cal, report)
+        write_run_tensors(tmp, cal, report)
         page.write_html(tmp / HTML_FILE, report, cal)
         markdown.write_markdown(tmp / MARKDOWN_FILE, report)
+        if clock is not None:
+            clock.lap("writing")
+            report.timings = run_timings(clock, cal)
+        write_json(tmp / REPORT_FILE, report.to_json())
 
     return write_dir(out, writer, overwrite=overwrite)
+
+
+def run_timings(clock: PhaseClock, cal) -> dict:
+    """report.json's ``timings``: the calibration lap split into sampling, scoring and the rest (the
+    checks, objectives' statistics, merging), with sampling's tokens/s and scoring's samples/s."""
+    t = cal.timings
+    clock.split("calibration", {"sampling": t.get("sampling_s", 0.0), "scoring": t.get("scoring_s", 0.0)}, "checks")
+    rates = {"response_tokens_per_s": t.get("response_tokens", 0) / max(t.get("sampling_s", 0.0), 1e-9),
+             "samples_per_s": t.get("samples", 0) / max(t.get("scoring_s", 0.0), 1e-9),
+             "note": "this process's wall clock; report.json itself and the final rename are not counted"}
+    return clock.to_json(rates)

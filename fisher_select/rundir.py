@@ -268,6 +268,7 @@ class RunReport:
     warnings: list[str] = field(default_factory=list)  # degenerate or unreliable results, with numbers
     mixed_bound: dict | None = None
     statistics: dict = field(default_factory=dict)  # the report's sections (docs/REPORT.md), JSON as written
+    timings: dict = field(default_factory=dict)  # wall seconds per phase of `calibrate` (fisher_select.timing)
 
     @property
     def truncation_rate(self) -> float:
@@ -422,8 +423,8 @@ class RunDifferences:
         return not self.results
 
 
-# Report keys that identify a run or say where it was made, not what it found.
-_IDENTITY_KEYS = ("run_id", "created", "command_line", "environment")
+# Report keys that identify a run or say where and how fast it was made, not what it found.
+_IDENTITY_KEYS = ("run_id", "created", "command_line", "environment", "timings")
 
 
 def compare_runs(a: "str | os.PathLike", b: "str | os.PathLike") -> RunDifferences:
@@ -489,6 +490,12 @@ def _max_difference(x: torch.Tensor, y: torch.Tensor) -> str:
 def write_run_files(folder: Path, cal, report: RunReport) -> None:
     """A run's tensors, samples and report.json into ``folder`` (``cal``: a Calibration); the pages
     and the atomic directory are ``run_report.write_run``'s."""
+    write_run_tensors(folder, cal, report)
+    write_json(folder / REPORT_FILE, report.to_json())
+
+
+def write_run_tensors(folder: Path, cal, report: RunReport) -> None:
+    """A run's tensor files and samples.jsonl into ``folder``: all of a run but its report."""
     meta = {"run_id": report.run_id, "model": report.model.name}
     save_tensors(folder / FISHER_FILE, cal.fisher, meta)
     if cal.token_fisher is not None:
@@ -501,7 +508,6 @@ def write_run_files(folder: Path, cal, report: RunReport) -> None:
     with open(folder / SAMPLES_FILE, "w") as fh:
         for s in cal.samples:
             fh.write(json.dumps(s) + "\n")
-    write_json(folder / REPORT_FILE, report.to_json())
 
 
 def run_bytes(num_parameters: int, num_objectives: int) -> int:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "fisher_select"
 # a module and everything below it; the longest match wins.
 FLOORS = [
     ("ground", ["fisher_select.version", "fisher_select.errors", "fisher_select.atomic", "fisher_select.caveats",
-                "fisher_select.fields", "fisher_select.distributed", "fisher_select.stats"]),
+                "fisher_select.fields", "fisher_select.distributed", "fisher_select.stats", "fisher_select.timing"]),
     ("run schema", ["fisher_select.rundir"]),
     ("engine", ["fisher_select.engine"]),
     ("models", ["fisher_select.models"]),

@@ -68,6 +68,8 @@ class Calibration(BoundsView):
     token_fisher: dict[str, torch.Tensor] | None = None  # F^tok, when a token-level objective ran
     diagnostics: "CalibrationDiagnostics | None" = None  # what the report's uncertainty and stability need
     warnings: list[str] = field(default_factory=list)  # degenerate results, one line each (also warnings.warn)
+    # this process's seconds sampling and scoring, and what they handled (response tokens, samples)
+    timings: dict = field(default_factory=dict)
 
     @property
     def grad_estimate(self) -> dict[str, torch.Tensor]:
@@ -247,6 +249,8 @@ class _Calibrator:
             self.checks["rollouts"] = {**self.rollouts.describe(), **mismatch_summary(self.samples)}
         split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
         cal = self._result(len(all_prompts), extra)
+        cal.timings = {"sampling_s": self.clock["sampling"], "scoring_s": self.clock["scoring"],
+                       "response_tokens": self.clock["tokens"], "samples": self.clock["samples"]}
         self._log_phases()
         cal.diagnostics = calibration_diagnostics(self.stats, self.stability, split)
         cal.diagnostics.conformity = self.conformity

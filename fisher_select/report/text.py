@@ -165,7 +165,19 @@ def run_summary_lines(report: RunReport, top: int | None = 15) -> list[str]:
     header, rows = module_rows(report, shown)
     lines += ["  " + header] + ["  " + r for r in rows]
     lines += [f"warning: {w}" for w in report.warnings]
+    lines += timing_lines(report)
     return lines
+
+
+def timing_lines(report: RunReport) -> list[str]:
+    """Where the run's wall time went (report.json ``timings``), one line; none for runs without it."""
+    t = report.timings
+    if not t:
+        return []
+    phases = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}s ({pct(t['shares'][name])})"
+                       for name, seconds in t["phases_s"].items())
+    return [f"time: {t['wall_s']:.1f}s wall: {phases}; sampling {t['response_tokens_per_s']:,.0f} response tokens/s, "
+            f"scoring {t['samples_per_s']:,.1f} samples/s"]
 
 
 def verdict_lines(report: RunReport) -> list[str]:
