@@ -70,8 +70,13 @@ def test_the_estimate_counts_each_memory_mode_and_the_rows_of_one_call():
     est = {acc: estimate_memory(model, MemoryMode(acc), n, objectives=2, stability=True, sample_rows=4, score_rows=2,
                                 tokens=10) for acc in ("full", "gradient", "fisher")}
     assert [est[a].accumulators for a in ("full", "gradient", "fisher")] == [4 * n * 5, 4 * n * 4, 4 * n * 2]
-    vocab, layers, hidden = model.config.vocab_size, model.config.num_hidden_layers, model.config.hidden_size
-    assert est["full"].scoring == 2 * 10 * (layers * hidden * 64 + vocab * 4)
+    from fisher_select.engine.batching import bytes_per_token
+
+    vocab = model.config.vocab_size
+    assert est["full"].scoring == 2 * 10 * bytes_per_token(model)  # the rows x tokens of one scoring pass
+    budgeted = estimate_memory(model, MemoryMode("full"), n, objectives=2, stability=True, sample_rows=4,
+                               score_rows=2, tokens=10, max_tokens=12)
+    assert budgeted.scoring == 10 * bytes_per_token(model)  # the token budget passes one row at a time
     assert est["full"].sampling > 2 * 4 * vocab * 4  # logits of one step, beside the KV cache
 
 

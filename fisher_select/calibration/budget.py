@@ -8,8 +8,9 @@ The estimate adds what grows with the settings beside the loaded weights:
   (``stability``); on the device unless ``accumulate_on=cpu`` moves them to host memory;
 - sampling: the KV cache of one sampling call (rows x (prompt + max_new_tokens) tokens) and the fp32
   logits of one decoding step (rows x vocabulary x 4 bytes, twice: log-softmax and its exp);
-- scoring: the activations kept for one batch's backward (layers x hidden x tokens x ACTIVATION_BYTES)
-  and its fp32 log-softmax over the vocabulary (rows x tokens x vocabulary x 4 bytes).
+- scoring: the activations one scoring pass keeps for its backward, log-softmax included: the tokens of
+  one pass (a batch's rows x tokens, capped by the token budget of ``engine.batching``) times the
+  engine's own per-token estimate (``engine.batching.bytes_per_token``).
 
 It is an estimate (kernels' workspaces and the allocator's slack are not in it), meant to refuse what
 clearly cannot fit. ``FISHER_SELECT_MEMORY_LIMIT`` (bytes) caps the memory taken as available, for tests
@@ -24,13 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from fisher_select.engine.batching import bytes_per_token
 from fisher_select.engine.memory import MemoryMode
 from fisher_select.errors import FisherSelectError
 
 MEMORY_LIMIT_ENV = "FISHER_SELECT_MEMORY_LIMIT"
-ACTIVATION_BYTES = 64  # per layer x hidden unit x token kept for the backward: ~16 fp32 values (attention + MLP)
 SAMPLE_ROWS = 1024  # the most rows one sampling call draws when K exceeds the batch size (fixed: same draws anywhere)
-SHRINK_FLAGS = ("--batch-size (fewer rows per scoring batch), --accumulators gradient or fisher, --accumulate-on cpu, "
+SHRINK_FLAGS = ("--max-batch-tokens or --batch-size (fewer tokens per scoring pass), --accumulators gradient or "
+                "fisher, --accumulate-on cpu, "
                 "--no-stability, --max-new-tokens, or fewer --samples-per-prompt / --num-prompts")
 
 
@@ -74,22 +76,24 @@ def accumulator_copies(memory: MemoryMode, objectives: int, stability: bool) -> 
 
 
 def estimate_memory(model, memory: MemoryMode, covered: int, *, objectives: int, stability: bool,
-                    sample_rows: int, score_rows: int, tokens: int) -> MemoryEstimate:
+                    sample_rows: int, score_rows: int, tokens: int, max_tokens: int | None = None) -> MemoryEstimate:
     """The estimate for ``covered`` accumulated parameter coordinates, calls of ``sample_rows`` and
-    ``score_rows`` rows, sequences of ``tokens`` (longest prompt + max_new_tokens)."""
+    ``score_rows`` rows, sequences of ``tokens`` (longest prompt + max_new_tokens), scoring passes of
+    at most ``max_tokens`` tokens (the token budget; one row at least)."""
     params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     dtype_bytes = next((p.element_size() for p in params if p.is_floating_point()), 4)
-    layers, hidden, kv, vocab = _config_sizes(model)
+    layers, _, kv, vocab = _config_sizes(model)
     copies = accumulator_copies(memory, objectives, stability)
     on_host = memory.device == "cpu" and next(iter(params)).device.type != "cpu"
     accumulators = 0 if on_host else 4 * covered * copies
     sampling = sample_rows * tokens * layers * 2 * kv * dtype_bytes + 2 * sample_rows * vocab * 4
-    scoring = score_rows * tokens * (layers * hidden * ACTIVATION_BYTES + vocab * 4)
+    per_pass = max(tokens, min(score_rows * tokens, max_tokens or score_rows * tokens))  # micro-batch tokens
+    scoring = per_pass * bytes_per_token(model)
     detail = (f"accumulators {gib(accumulators)} ({copies} fp32 copies of {covered:,} coordinates"
               f"{', in host memory' if on_host else ''}), sampling {gib(sampling)} ({sample_rows} rows x {tokens} "
-              f"tokens of KV cache + fp32 logits over {vocab:,} tokens), scoring {gib(scoring)} ({score_rows} rows x "
-              f"{tokens} tokens)")
+              f"tokens of KV cache + fp32 logits over {vocab:,} tokens), scoring {gib(scoring)} ({per_pass:,} tokens "
+              f"per pass)")
     return MemoryEstimate(weights, accumulators, sampling, scoring, detail)
 
 

@@ -267,7 +267,7 @@ class _Calibrator:
         covered = sum(math.prod(shape) for shape in self.cov.shapes.values())
         estimate = estimate_memory(self.model, self.memory, covered, objectives=len(self.objectives),
                                    stability=self.stability is not None, sample_rows=self.sample_rows,
-                                   score_rows=self.score_rows, tokens=tokens)
+                                   score_rows=self.score_rows, tokens=tokens, max_tokens=self.max_tokens)
         check_memory(estimate, self.device)
 
     def _render(self, all_prompts: list[PromptRecord]) -> list[list[int]]:
