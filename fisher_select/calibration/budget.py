@@ -88,7 +88,8 @@ def estimate_memory(model, memory: MemoryMode, covered: int, *, objectives: int,
     on_host = memory.device == "cpu" and next(iter(params)).device.type != "cpu"
     accumulators = 0 if on_host else 4 * covered * copies
     sampling = sample_rows * tokens * layers * 2 * kv * dtype_bytes + 2 * sample_rows * vocab * 4
-    per_pass = max(tokens, min(score_rows * tokens, max_tokens or score_rows * tokens))  # micro-batch tokens
+    rows = score_rows if max_tokens is None else max(1, min(score_rows, max_tokens // tokens))  # as micro_batches
+    per_pass = rows * tokens
     scoring = per_pass * bytes_per_token(model)
     detail = (f"accumulators {gib(accumulators)} ({copies} fp32 copies of {covered:,} coordinates"
               f"{', in host memory' if on_host else ''}), sampling {gib(sampling)} ({sample_rows} rows x {tokens} "
