@@ -18,7 +18,7 @@ Measured on a shared 2-core CPU (load average about 7, so read these as upper bo
 defaults took 820 s wall (470 s CPU), of which calibration 579 s; ``--lora --reuse`` on that run
 took 210 s. The sizes (two steps, four prompts) only show the plumbing, not a useful training run;
 a step whose group of rewards is constant has no gradient, and only weight decay moves weights. The bound is for one step in expectation: under AdamW the mask is what keeps coordinates still,
-not the bound (docs/PITFALLS.md, "Adam is not SGD").
+not the bound (docs/TRAPS.md, "Adam is not SGD").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ coordinate mask needs ``FisherMaskCallback``.
 Modules are chosen by **bound mass**, the sum over a module's coordinates of ``sqrt(F_i)`` (the
 bound ``sqrt(F_i S)`` up to the objective's constant ``sqrt(S)``): the fewest modules holding a
 share ``bound_mass`` of the model's total, or the ``top_modules`` largest. The Fisher mass (sum of
-F) is dominated by a few huge coordinates and ranks modules badly (docs/PITFALLS.md, "Module
+F) is dominated by a few huge coordinates and ranks modules badly (docs/TRAPS.md, "Module
 aggregates"). Every pattern is checked before anything is written to match at least one
 parameter the run recorded (and of the model, when one is given), matched the way axolotl
 matches (compile-and-``re.match``): a pattern that silently matches nothing is the commonest

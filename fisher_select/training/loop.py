@@ -11,7 +11,7 @@ turned into a loss whose gradient is the negative of what calibration estimates:
 - full-vocabulary distillation (token level): loss ``+(1/B) sum_n sum_t A_t log pi(y_t|s_t)``
   (the gradient of the summed KL, descent);
 - SFT from demonstrations: loss ``-(1/B) sum_rows l(row)``, the likelihood of a minibatch of
-  demonstrations, summed over each row's tokens (not averaged: docs/PITFALLS.md, "Averaged losses").
+  demonstrations, summed over each row's tokens (not averaged: docs/TRAPS.md, "Averaged losses").
 
 Weights stay in fp32 (master weights) and the model stays in eval mode, as in calibration (no
 dropout), so realized movement is comparable with the calibration-point bound.
