@@ -487,15 +487,9 @@ def _max_difference(x: torch.Tensor, y: torch.Tensor) -> str:
 # Writing
 
 
-def write_run_files(folder: Path, cal, report: RunReport) -> None:
-    """A run's tensors, samples and report.json into ``folder`` (``cal``: a Calibration); the pages
-    and the atomic directory are ``run_report.write_run``'s."""
-    write_run_tensors(folder, cal, report)
-    write_json(folder / REPORT_FILE, report.to_json())
-
-
 def write_run_tensors(folder: Path, cal, report: RunReport) -> None:
-    """A run's tensor files and samples.jsonl into ``folder``: all of a run but its report."""
+    """A run's tensor files and samples.jsonl into ``folder`` (``cal``: a Calibration): all of a run
+    but its report; report.json, the pages and the atomic directory are ``run_report.write_run``'s."""
     meta = {"run_id": report.run_id, "model": report.model.name}
     save_tensors(folder / FISHER_FILE, cal.fisher, meta)
     if cal.token_fisher is not None:

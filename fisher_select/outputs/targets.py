@@ -44,12 +44,6 @@ class Target:
         return self.bound_mass if ranking == "bound_mass" else self.fisher_mass
 
 
-def check_ranking(ranking: str) -> str:
-    if ranking not in RANKINGS:
-        raise FisherSelectError(f"ranking {ranking!r} is not one of {', '.join(RANKINGS)}")
-    return ranking
-
-
 def eligible(run: Run, *, module_types, model, layers, modules) -> list[Target]:
     """Linear-like modules of the run, filtered by type (None: any), layer index and ``modules``."""
     if model is not None:
