@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.training.outcomes import (KINDS, METHODS, OutcomeConfig, check_kind, outcome_study,
-                                             outcome_table, write_outcomes)
+from fisher_select.report.outcomes_section import outcome_table
+from fisher_select.training.outcomes import (KINDS, METHODS, OutcomeConfig, check_kind, keep_in_run, outcome_study,
+                                             write_outcomes)
 
 TIMING_FILE = "outcomes-calibration-seconds.json"  # written beside the run's files by --recipe
 
@@ -108,7 +109,9 @@ def main(argv=None) -> int:
             check_kind(args.run, args.kind)
         report = outcome_study(args.run, config_of(args, seconds), device=args.device, progress=args.progress)
         write_outcomes(report, args.json, args.plot)
+        kept = keep_in_run(report, args.run)  # the run's report shows the study from now on
         print("\n".join(outcome_table(report)))
+        print(f"\nkept in {kept}; the run's report.html shows it")
     except FisherSelectError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import torch
 from fisher_select.atomic import write_dir, write_file
 from fisher_select.caveats import CAVEATS
 from fisher_select.distributed import rank_world
-from fisher_select.report import markdown, page, validation_section
+from fisher_select.report import markdown, outcomes_section, page, validation_section
 from fisher_select.report.statistics import (ReportStatistics, bound_ratio, concentration, module_spread,
                                              scale_uncertainty, signal_diagnostics)
 from fisher_select.report.warnings import run_warnings
@@ -138,9 +138,11 @@ def regenerate(path: "str | Path", recompute: bool = False) -> list[Path]:
     else:
         report.warnings = run_warnings(report)
     checked = validation_section.load_validations(path)  # what `fisher-select validate` measured, if anything
+    outcomes = outcomes_section.load_outcomes(path)  # what the outcome study measured, if it ran
     writers = {REPORT_FILE: lambda tmp: write_json(tmp, report.to_json()),
-               MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report, checked),
-               HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples, validations=checked)}
+               MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report, checked, outcomes),
+               HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples, validations=checked,
+                                                      outcomes=outcomes, run_dir=path)}
     return [write_file(path / name, writer, overwrite=True) for name, writer in writers.items()]
 
 

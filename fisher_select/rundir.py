@@ -54,6 +54,11 @@ VALIDATION_GLOB = "validation-*/validation.json"
 VALIDATION_FILE = "validation.json"
 VALIDATION_PLOTS = {"bound": "bound_vs_movement.png", "curves": "precision_at_k.png",
                     "objective": "objective_per_step.png"}
+# The matched-budget outcome study (``training.outcomes``) inside a run directory: RUN/outcomes-<kind>/
+OUTCOMES_DIR = "outcomes-{kind}"
+OUTCOMES_GLOB = "outcomes-*/outcomes.json"
+OUTCOMES_FILE = "outcomes.json"
+OUTCOMES_PLOT = "recovery_vs_density.png"
 # A calibration checkpoint beside the run: RUN.checkpoint/rank-000-of-001/batch-000004/
 CHECKPOINT_SUFFIX = ".checkpoint"
 CHECKPOINT_RANK_DIR = "rank-{rank:03d}-of-{world:03d}"
@@ -90,6 +95,11 @@ def checkpoint_folder(out: "str | os.PathLike") -> Path:
 def validation_dir(run_path: "str | os.PathLike", optimizer: str, seed: int) -> Path:
     """Where `fisher-select validate` writes by default: inside the run directory."""
     return Path(run_path) / VALIDATION_DIR.format(optimizer=optimizer, seed=seed)
+
+
+def outcomes_dir(run_path: "str | os.PathLike", kind: str) -> Path:
+    """Where the outcome study of one training kind is kept: inside the run directory."""
+    return Path(run_path) / OUTCOMES_DIR.format(kind=kind)
 
 
 # ---------------------------------------------------------------------------

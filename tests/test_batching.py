@@ -13,7 +13,8 @@ from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.objectives import OPDFullObjective, RLObjective
 from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.calibration.teachers import Teacher
-from fisher_select.engine.batching import auto_max_tokens, bytes_per_token, micro_batches, score_in_budget
+from fisher_select.engine.batching import (DEFAULT_ACTIVATION_BYTES, auto_max_tokens, bytes_per_token, micro_batches,
+                                          score_in_budget)
 from fisher_select.engine.reference import brute_force_sums
 from fisher_select.engine.scoring import score_sums
 from tests.rule_checks import EXACT, rel
@@ -63,7 +64,7 @@ def test_the_auto_budget_follows_the_layer_widths():
     model = tiny_model("llama-tied")
     # 2 layers x (q 16 + k 8 + v 8 + o 16 + gate 32 + up 32 + down 16) + head 64, + vocab 64; fp32, x2
     assert bytes_per_token(model) == 4 * 2 * (2 * 128 + 64 + 64)
-    assert auto_max_tokens(model) == (2 << 30) // bytes_per_token(model)
+    assert auto_max_tokens(model) == DEFAULT_ACTIVATION_BYTES // bytes_per_token(model)
 
 
 TINY = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 0", "3 3", "0 4 4", "2 2", "3 0"])]

@@ -18,11 +18,12 @@ from fisher_select.calibration.teachers import Teacher
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
 from fisher_select.outputs.lora import lora_config, trainable_lora_parameters
+from fisher_select.report.outcomes_section import findings, load_outcomes, outcome_table
 from fisher_select.training.outcomes import (ADAPTER_METHODS, METHODS, MODULE_METHODS, OutcomeConfig, _Study,
-                                             attention_modules, choose_lr, outcome_table, outcome_study,
+                                             attention_modules, choose_lr, keep_in_run, outcome_study,
                                              write_outcomes)
 from fisher_select.training.validate import Setup
-from tests.runs import make_run
+from tests.runs import make_run, write_run_dir
 from tests.test_validate import DemoTokenizer, _prompts, _reward
 from tests.tiny import TinyTokenizer, tiny_model
 
@@ -75,6 +76,13 @@ def test_outcome_study_end_to_end_has_every_method_and_the_lr_it_picked(tmp_path
     assert (tmp_path / "o.png").stat().st_size > 0
     table = "\n".join(outcome_table(report))
     assert "| bound@0.1 | mask |" in table and "lora_all_linear" in table
+    run_dir = write_run_dir(run, tmp_path / "run")  # kept in the run: its report shows the study
+    folder = keep_in_run(report, run_dir)
+    assert folder.name == "outcomes-sft" and (folder / "recovery_vs_density.png").stat().st_size > 0
+    markdown, page = (run_dir / "report.md").read_text(), (run_dir / "report.html").read_text()
+    assert "## Outcomes at matched budgets" in markdown and "| bound@0.1 | mask |" in markdown
+    assert "<h2>Outcomes at matched budgets</h2>" in page and page.count("data:image/png;base64") >= 1
+    assert load_outcomes(run_dir)[0][1]["methods"].keys() == report["methods"].keys()
 
 
 def test_lr_is_chosen_on_validation_alone(tmp_path):
@@ -173,3 +181,27 @@ def test_on_policy_kinds_report_signal_and_finished_shares_and_keep_the_teacher(
     assert 0 <= report["signal_share"] <= 1 and 0 <= report["finished_share"] <= 1
     assert report["task"]["higher_is_better"] == (kind != "opd-full")  # full distillation reports KL
     assert set(report["methods"]) == {"bound@0.1", "lora_config", "shira_fisher"}
+
+
+def _entry(kind, shares, density=0.01):
+    return {"kind": kind, "density": density, "trainable": 10, "lr_chosen": 1e-3, "recovered": shares,
+            "recovered_mean": sum(shares) / len(shares)}
+
+
+def test_findings_say_where_a_peer_matches_or_beats_the_bound_at_the_same_budget():
+    methods = {"bound@0.01": _entry("mask", [0.5, 0.6]), "random@0.01": _entry("mask", [0.7, 0.8]),
+               "single_batch_grad@0.01": _entry("mask", [0.55, 0.62]), "grad_estimate@0.01": _entry("mask", [0.1, 0.2]),
+               "random@0.1": _entry("mask", [0.9, 0.95], 0.1),  # no bound at 0.1: nothing to hold it against
+               "lora_config": _entry("lora", [0.4, 0.5]), "lora_all_linear": _entry("lora", [0.3, 0.45]),
+               "spectrum": _entry("modules", [2.0, 2.0])}  # modules run at their own share: not a peer
+    notes = findings({"methods": methods})
+    assert len(notes) == 2
+    assert notes[0].startswith("random@0.01 recovered 0.750") and "on every seed" in notes[0]
+    assert notes[1].startswith("single_batch_grad@0.01 recovered 0.585") and "within the spread" in notes[1]
+
+
+def test_an_unreadable_outcome_study_is_named(tmp_path):
+    (tmp_path / "outcomes-sft").mkdir()
+    (tmp_path / "outcomes-sft" / "outcomes.json").write_text("{")
+    with pytest.raises(FisherSelectError, match="outcomes-sft/outcomes.json is unreadable"):
+        load_outcomes(tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fisher_select.report import validation_section
+from fisher_select.report import outcomes_section, validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
                                        ranked_modules, scale_text, uncertainty_of, verdict_lines)
@@ -19,7 +19,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
                                                                            for r in cells]
 
 
-def markdown_text(report: RunReport, validations=()) -> str:
+def markdown_text(report: RunReport, validations=(), outcomes=()) -> str:
     stats = ReportStatistics.from_json(report.statistics)
     out = [f"# fisher_select run {report.run_id}", "", "## Verdict", ""] + [f"- {v}" for v in verdict_lines(report)]
     out += ["", "## What these numbers do not promise", ""]
@@ -35,6 +35,7 @@ def markdown_text(report: RunReport, validations=()) -> str:
     out += _objectives(report, stats) + _conformity(stats) + _stability(stats) + _concentration(stats)
     out += _ratios(stats) + _signals(stats) + _modules(report)
     out += validation_section.markdown_lines(list(validations))  # RUN/validation-*/validation.json
+    out += outcomes_section.markdown_lines(list(outcomes))  # RUN/outcomes-*/outcomes.json
     return "\n".join(out) + "\n"
 
 
@@ -102,5 +103,5 @@ def _modules(report) -> list[str]:
     return out + _table(list(MODULE_COLUMNS), [module_cells(m) for m in ranked])
 
 
-def write_markdown(path: Path, report: RunReport, validations=()) -> None:
-    Path(path).write_text(markdown_text(report, validations))
+def write_markdown(path: Path, report: RunReport, validations=(), outcomes=()) -> None:
+    Path(path).write_text(markdown_text(report, validations, outcomes))

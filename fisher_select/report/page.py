@@ -11,7 +11,7 @@ import html
 import json
 from pathlib import Path
 
-from fisher_select.report import plots, validation_section
+from fisher_select.report import outcomes_section, plots, validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
                                        ranked_modules, verdict_lines)
@@ -44,14 +44,16 @@ def _list(items: list[str]) -> str:
     return "<ul>" + "".join(f"<li>{_e(i)}</li>" for i in items) + "</ul>"
 
 
-def write_html(path: Path, report: RunReport, cal=None, samples: list[dict] | None = None, validations=()) -> None:
+def write_html(path: Path, report: RunReport, cal=None, samples: list[dict] | None = None, validations=(),
+               outcomes=(), run_dir=None) -> None:
     """Write the page; ``cal`` (a Calibration) supplies example samples when ``samples`` is not given;
-    ``validations``: (name, validation.json) pairs for the Validation section."""
+    ``validations``: (name, validation.json) pairs for the Validation section; ``outcomes``: (name,
+    outcomes.json) pairs for the outcome section, whose plots are read from ``run_dir``."""
     samples = samples if samples is not None else list(getattr(cal, "samples", None) or [])
-    Path(path).write_text(page_html(report, samples, validations))
+    Path(path).write_text(page_html(report, samples, validations, outcomes, run_dir))
 
 
-def page_html(report: RunReport, samples: list[dict], validations=()) -> str:
+def page_html(report: RunReport, samples: list[dict], validations=(), outcomes=(), run_dir=None) -> str:
     stats = ReportStatistics.from_json(report.statistics)
     figures = plots.all_plots(report)
     body = [f"<h1>fisher_select run {_e(report.run_id)}</h1>",
@@ -60,7 +62,8 @@ def page_html(report: RunReport, samples: list[dict], validations=()) -> str:
     if report.warnings:
         body.append(f'<div class="warn"><b>Warnings about this run</b>{_list(report.warnings)}</div>')
     body += [_run_section(report), _objectives_section(report, stats), _statistics_section(stats),
-             _modules_section(report), validation_section.html_section(list(validations)), "<h2>Plots</h2>"]
+             _modules_section(report), validation_section.html_section(list(validations)),
+             outcomes_section.html_section(list(outcomes), run_dir), "<h2>Plots</h2>"]
     body += [f'<figure id="{p.key}"><h3>{_e(p.title)}</h3><img alt="{_e(p.title)}" src="{p.data_uri}">'
              f"<figcaption>{_e(p.caption)}</figcaption></figure>" for p in figures]
     body.append(_samples_section(report, samples))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,9 @@ from fisher_select.atomic import write_file
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.lora import lora_hints, trainable_lora_parameters
 from fisher_select.outputs.shira import shira_config
-from fisher_select.rundir import Run, load_run, load_run_report, read_tensors, write_json
+from fisher_select.run_report import regenerate
+from fisher_select.rundir import (OUTCOMES_FILE, OUTCOMES_PLOT, Run, load_run, load_run_report, outcomes_dir,
+                                  read_tensors, write_json)
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
 from fisher_select.training import baselines, plots
@@ -477,32 +478,19 @@ def check_kind(run_dir, kind: str) -> None:
                                 f"calibrate the {kind} recipe (docs/OUTCOMES.md)")
 
 
-def _fmt(x) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
-
-
-def outcome_table(report: dict) -> list[str]:
-    """Markdown: each method's budget, lr and held-out share of full fine-tuning's gain (mean, min..max)."""
-    full = report["full"]
-    lines = [f"**{report['kind']}**: {report['task']['metric']}; held-out before {full['held_out_before']:.4f}, "
-             f"full fine-tuning after {statistics.fmean(full['held_out_after']):.4f} "
-             f"(lr {full['lr_chosen']:.3g}, gain z over seeds = {_fmt(full['improvement_z'])})", "",
-             "| method | kind | density | trainable | lr chosen | recovered (mean) | min..max over seeds |",
-             "|---|---|---:|---:|---:|---:|---|"]
-    for key, m in report["methods"].items():
-        if "unavailable" in m:
-            lines.append(f"| {key} | {m['kind']} | | | | unavailable | {m['unavailable']} |")
-            continue
-        known = [s for s in m["recovered"] if s is not None]
-        spread = f"{_fmt(min(known))}..{_fmt(max(known))}" if known else "n/a"
-        lines.append(f"| {key} | {m['kind']} | {m['density']:.2e} | {m['trainable']:,} | {m['lr_chosen']:.3g} | "
-                     f"{_fmt(m['recovered_mean'])} | {spread} |")
-    return lines
-
-
 def write_outcomes(report: dict, json_path=None, plot_path=None, *, overwrite: bool = True) -> None:
-    """The study's JSON and its recovery-vs-density plot, each written atomically."""
+    """The study's JSON and its recovery-vs-density plot, each written atomically (``keep_in_run``
+    puts them where the run's report finds them)."""
     if json_path is not None:
         write_file(Path(json_path), lambda tmp: write_json(tmp, report), overwrite=overwrite)
     if plot_path is not None:
         write_file(Path(plot_path), lambda tmp: plots.recovery_curves(tmp, report), overwrite=overwrite)
+
+
+def keep_in_run(report: dict, run_dir) -> Path:
+    """Write the study into ``RUN/outcomes-<kind>/`` and redraw the run's report, which then shows it."""
+    folder = outcomes_dir(run_dir, report["kind"])
+    folder.mkdir(exist_ok=True)
+    write_outcomes(report, folder / OUTCOMES_FILE, folder / OUTCOMES_PLOT)
+    regenerate(run_dir)
+    return folder

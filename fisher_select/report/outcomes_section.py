@@ -1,0 +1,135 @@
+"""The report's "Outcomes at matched budgets" section: what the outcome study measured from this run.
+
+Read from ``RUN/outcomes-<kind>/outcomes.json`` (``training.outcomes.outcome_study``, written by
+``bench/outcomes.py``): for each method at its budget, the share of full fine-tuning's held-out
+improvement it recovered, each at its own learning rate chosen on validation prompts. The
+findings say plainly where a simpler rule or PEFT's default matched or beat the bound's choice.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import statistics
+from pathlib import Path
+
+from fisher_select.errors import FisherSelectError
+from fisher_select.rundir import OUTCOMES_GLOB, OUTCOMES_PLOT
+
+# The fisher_select choice each peer is held against: masks at the same density, LoRA and SHiRA
+# at the same trainable count.
+OURS = {"mask": "bound", "lora": "lora_config", "shira": "shira_fisher"}
+
+
+def load_outcomes(run_dir) -> list[tuple[str, dict]]:
+    """(directory name, outcomes.json) of every outcome study inside ``run_dir`` (none: [])."""
+    if run_dir is None:
+        return []
+    out = []
+    for path in sorted(Path(run_dir).glob(OUTCOMES_GLOB)):
+        try:
+            out.append((path.parent.name, json.loads(path.read_text())))
+        except (OSError, ValueError) as err:
+            raise FisherSelectError(f"{path} is unreadable ({err}); delete it or rerun bench/outcomes.py") from None
+    return out
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+def _spread(m: dict) -> str:
+    known = [s for s in m["recovered"] if s is not None]
+    return f"{_fmt(min(known))}..{_fmt(max(known))}" if known else "n/a"
+
+
+def outcome_table(report: dict) -> list[str]:
+    """Markdown: each method's budget, lr and held-out share of full fine-tuning's gain (mean, min..max)."""
+    full = report["full"]
+    lines = [f"**{report['kind']}**: {report['task']['metric']}; held-out before {full['held_out_before']:.4f}, "
+             f"full fine-tuning after {statistics.fmean(full['held_out_after']):.4f} "
+             f"(lr {full['lr_chosen']:.3g}, gain z over seeds = {_fmt(full['improvement_z'])})", "",
+             "| method | kind | density | trainable | lr chosen | recovered (mean) | min..max over seeds |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for key, m in report["methods"].items():
+        if "unavailable" in m:
+            lines.append(f"| {key} | {m['kind']} | | | | unavailable | {m['unavailable']} |")
+            continue
+        lines.append(f"| {key} | {m['kind']} | {m['density']:.2e} | {m['trainable']:,} | {m['lr_chosen']:.3g} | "
+                     f"{_fmt(m['recovered_mean'])} | {_spread(m)} |")
+    return lines
+
+
+def _peers(methods: dict) -> list[tuple[str, str, dict, dict]]:
+    """(our key, peer key, ours, peer) for every peer at our budget: same kind, same requested density."""
+    out = []
+    for key, m in methods.items():
+        ours_name = OURS.get(m.get("kind"))
+        if ours_name is None or key.split("@")[0] == ours_name or "unavailable" in m:
+            continue
+        ours_key = ours_name + ("@" + key.split("@")[1] if "@" in key else "")
+        ours = methods.get(ours_key)
+        if ours is not None and "unavailable" not in ours and ours.get("recovered_mean") is not None:
+            out.append((ours_key, key, ours, m))
+    return out
+
+
+def findings(report: dict) -> list[str]:
+    """Plain sentences: each peer that matched or beat fisher_select's choice at the same budget."""
+    out = []
+    for ours_key, key, ours, peer in _peers(report["methods"]):
+        if peer.get("recovered_mean") is None or peer["recovered_mean"] < ours["recovered_mean"]:
+            continue
+        ours_seeds = [s for s in ours["recovered"] if s is not None]
+        clear = ours_seeds and min(s for s in peer["recovered"] if s is not None) > max(ours_seeds)
+        out.append(f"{key} recovered {_fmt(peer['recovered_mean'])} ({_spread(peer)}) against {ours_key}'s "
+                   f"{_fmt(ours['recovered_mean'])} ({_spread(ours)}): "
+                   + ("it beats fisher_select's choice on every seed." if clear else
+                      "at least as good as fisher_select's choice on the mean, within the spread over seeds."))
+    return out
+
+
+def _intro(report: dict) -> str:
+    s = report.get("settings", {})
+    return (f"Share of full fine-tuning's held-out improvement each method recovers at its budget "
+            f"({s.get('optimizer', '?')}, {s.get('steps', '?')} steps, {s.get('seeds', '?')} seeds; every method at "
+            f"its own learning rate chosen on validation prompts, reported on held-out prompts).")
+
+
+def markdown_lines(outcomes: list[tuple[str, dict]]) -> list[str]:
+    if not outcomes:
+        return []
+    out = ["", "## Outcomes at matched budgets"]
+    for name, report in outcomes:
+        out += ["", f"### {name}", "", _intro(report), ""] + outcome_table(report)
+        notes = findings(report)
+        out += ([""] + [f"- {n}" for n in notes]) if notes else ["", "- No peer matched fisher_select's choice."]
+        out += ["", f"Plot: `{name}/{OUTCOMES_PLOT}`."]
+    return out
+
+
+def _image(run_dir, name: str) -> str:
+    path = Path(run_dir) / name / OUTCOMES_PLOT if run_dir is not None else None
+    if path is None or not path.is_file():
+        return ""
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="recovery against density, {html.escape(name)}" src="data:image/png;base64,{data}">'
+
+
+def html_section(outcomes: list[tuple[str, dict]], run_dir=None) -> str:
+    if not outcomes:
+        return ""
+    e = html.escape
+    parts = ["<h2>Outcomes at matched budgets</h2>"]
+    for name, report in outcomes:
+        rows = [r for r in outcome_table(report) if r.startswith("| ") and not r.startswith("| method")]
+        cells = ["".join(f"<td>{e(c.strip())}</td>" for c in r.strip("|").split(" | ")) for r in rows]
+        head = "".join(f"<th>{h}</th>" for h in ("method", "kind", "density", "trainable", "lr chosen",
+                                                 "recovered (mean)", "min..max over seeds"))
+        notes = findings(report) or ["No peer matched fisher_select's choice."]
+        parts.append(f"<h3>{e(name)}</h3><p>{e(_intro(report))}</p><p>{e(outcome_table(report)[0].replace('**', ''))}</p>"
+                     f"<table><tr>{head}</tr>{''.join(f'<tr>{c}</tr>' for c in cells)}</table>"
+                     f"<ul>{''.join(f'<li>{e(n)}</li>' for n in notes)}</ul>{_image(run_dir, name)}")
+    return "".join(parts)
