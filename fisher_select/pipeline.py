@@ -71,8 +71,9 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
         cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
                         progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt,
                         log=log if rank == 0 else None)
+    sharded = recipe.shard == "fsdp"
     if cal is None:  # --shard fsdp: rank 0 alone holds the gathered result; wait while it writes the run
-        finish_checkpoint(ckpt, rank, world)
+        finish_checkpoint(ckpt, rank, world, sharded)
         return None
     clock.lap("calibration")
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
@@ -88,7 +89,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     if rank == 0:  # every rank holds the merged result; one writes it
         write_run(out, cal, report, overwrite, clock)
         log(f"written: {out}")
-    finish_checkpoint(ckpt, rank, world)
+    finish_checkpoint(ckpt, rank, world, sharded)
     return RunResult(cal, report, out)
 
 

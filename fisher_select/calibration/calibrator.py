@@ -218,10 +218,13 @@ class _Calibrator:
         self.pad = pad_id_of(model, tokenizer)
         self.fsdp = config.shard == "fsdp"  # calibration.fsdp: every rank runs the whole pass in step
         self.rank, self.world = (0, 1) if self.fsdp else rank_world()
-        self.collected: list = []  # fsdp: the batches to score, sharded, at the end
+        self.shards: fsdp.Shards | None = None  # fsdp: this rank's rows of every accumulator
         if self.fsdp:
             _refuse(fsdp.problems(model, config, objectives, checkpoint))
             self.verify = False  # plain autograd would reach the all-gathered weights, not the shards
+            keep = set(self.cov.shapes) if config.modules else None
+            self.shards = fsdp.Shards(model, self.cov, max_tokens=self.max_tokens, max_rows=self.batch_size,
+                                      totals=self.memory.totals, params=keep)
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(self.seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)
         self.progress, self.truncate_prompts = progress, config.truncate_prompts
@@ -230,7 +233,7 @@ class _Calibrator:
         self.token_index = [i for i, o in enumerate(objectives) if o.token_level]
         self.token = self._token_level() if self.token_index else None
         self.samples: list[dict] = []
-        self.stability = _Stability(self.cov, self.memory, self.engine) if config.stability else None
+        self.stability = _Stability(self.cov, self.memory, self.engine, self.shards) if config.stability else None
 
     def execute(self, all_prompts: list[PromptRecord]) -> Calibration:
         every = self._render(all_prompts)
@@ -241,7 +244,7 @@ class _Calibrator:
         self._check_memory(rendered)
         self._run_batches(prompts, rendered)
         extra = [self._extra_mean_score(o) for o in self.objectives]
-        if self.fsdp and not self._score_collected():
+        if self.fsdp and not self._gather_shards():
             return None  # rank 0 holds the gathered sums and writes the run
         if self.world > 1:
             self._merge_ranks()
@@ -303,7 +306,7 @@ class _Calibrator:
                 self._timed("scoring", started, samples=len(groups) * self.k)
                 bar_f.update(len(groups) * self.k)
                 if self.ckpt is not None and self.ckpt.due(b + 1, len(starts)):
-                    self.ckpt.save(b + 1, *capture(self), self.samples)
+                    self._save_checkpoint(b + 1)
                 if b == done:  # without bars (which show their own ETA), the first batch times the rest
                     self._log_eta(len(starts) - b - 1)
 
@@ -333,13 +336,37 @@ class _Calibrator:
         """Prompt batches already done: restored from the newest checkpoint (0 without one)."""
         if self.checkpoint is None:
             return 0
-        self.ckpt = Checkpointer(self.checkpoint, self.rank, self.world, self._checkpoint_key(rendered))
+        # fsdp: one checkpoint in the one-process format (rank 0 of 1), which rank 0 alone writes and removes
+        owner = self.shards is None or self.shards.rank == 0
+        self.ckpt = Checkpointer(self.checkpoint, self.rank, self.world, self._checkpoint_key(rendered), owner=owner)
         state = self.ckpt.load()
         if state is None:
             return 0
         done, tensors, meta, samples = state
         restore_state(self, tensors, meta, samples)
+        if self.shards is not None:  # every rank read the full sums; it keeps its rows
+            self.sums = self.shards.cut(self.sums)
+            if self.stability is not None and self.stability.squares_a is not None:
+                self.stability.squares_a = self.shards.cut(ScoreSums(self.stability.squares_a, None, None, 0)).squares
         return done
+
+    def _save_checkpoint(self, done: int) -> None:
+        """The state after ``done`` batches; fsdp: rank 0 gathers the full sums and writes the one-process format."""
+        if self.shards is None:
+            self.ckpt.save(done, *capture(self), self.samples)
+            return
+        sums = self.shards.gather(self.sums)  # collective: every rank
+        half = self._gather_half_a()
+        if sums is not None:
+            self.ckpt.save(done, *capture(self, sums=sums, half_a=half), self.samples)
+
+    def _gather_half_a(self) -> dict[str, torch.Tensor] | None:
+        """fsdp: the split halves' half-A squares, full on rank 0 (None elsewhere, and before any half-A prompt)."""
+        half = None if self.stability is None else self.stability.squares_a
+        if half is None:  # the same on every rank: the split-half bookkeeping is replicated
+            return None
+        full = self.shards.gather(ScoreSums(half, None, None, 0))
+        return None if full is None else full.squares
 
     def _checkpoint_key(self, rendered: list[list[int]]) -> dict:
         """What the state depends on; a checkpoint whose key differs is refused."""
@@ -411,13 +438,12 @@ class _Calibrator:
 
     def _score_part(self, batch: _Batch) -> None:
         signal = self.memory.signal(batch.sequence_signal(self.device))  # (O, B), None: no signal sums kept
-        if self.fsdp:  # scored at the end, every rank its share (calibration.fsdp)
-            self.collected.append((batch.input_ids, batch.attention_mask, batch.response_mask, signal))
-            return
         args = (self.model, batch.input_ids, batch.attention_mask, batch.response_mask)
         first = self.sums is None
         if self.stability is not None:  # the two halves' prompts in two calls
             self.sums = self.stability.score(self.model, batch, signal, self.sums)
+        elif self.shards is not None:  # fsdp: this rank scores its share of the rows, keeps its rows of the sums
+            self.sums = self.shards.score(*args[1:], signal, into=self.sums)
         elif first:
             self.sums = score_in_budget(*args, signal, coverage=self.cov, **self.engine, **self.memory.score_kwargs())
         else:
@@ -428,14 +454,12 @@ class _Calibrator:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*args[1:], token_signals)
 
-    def _score_collected(self) -> bool:
-        """fsdp: score the collected batches sharded; True on rank 0, which then holds the full sums."""
-        kw = self.memory.score_kwargs()
-        keep = set(self.cov.shapes) if self.memory.modules else None
-        objectives = None if not self.collected or self.collected[0][3] is None else self.collected[0][3].shape[0]
-        self.sums = fsdp.score_collected(self.model, self.collected, objectives, squares=kw["squares"],
-                                         totals=kw["totals"], params=keep, max_tokens=self.max_tokens,
-                                         max_rows=self.batch_size)
+    def _gather_shards(self) -> bool:
+        """fsdp: gather the sums (and the half-A squares) onto rank 0; True there, False on the other ranks."""
+        half = self._gather_half_a()
+        self.sums = self.shards.gather(self.sums)
+        if self.sums is not None and self.stability is not None:  # rank 0 closes the halves as one process does
+            self.stability.squares_a, self.stability.shards = half, None
         return self.sums is not None
 
     def _extra_mean_score(self, o: Objective) -> dict[str, torch.Tensor] | None:
@@ -691,8 +715,10 @@ class _Stability:
     module masses: its per-parameter sum of h^2 and its sample count.
     """
 
-    def __init__(self, cov: Coverage, memory: MemoryMode | None = None, engine: dict | None = None):
+    def __init__(self, cov: Coverage, memory: MemoryMode | None = None, engine: dict | None = None,
+                 shards: "fsdp.Shards | None" = None):
         self.cov, self.memory, self.engine = cov, memory or MemoryMode(), engine or {"max_tokens": None}
+        self.shards = shards  # fsdp: every accumulator holds this rank's rows; the bookkeeping is every rank's
         self.names = list(cov.shapes)
         self.squares_a: dict[str, torch.Tensor] | None = None
         self.samples, self.prompts = [0, 0], [0, 0]  # [half A, half B]
@@ -702,8 +728,21 @@ class _Stability:
 
     def _squares(self) -> dict[str, torch.Tensor]:
         if self.squares_a is None:
-            self.squares_a = ScoreSums.zeros(self.cov, None, totals=False, device=self.memory.device).squares
+            self.squares_a = (self.shards.zeros(None, squares=True, totals=False) if self.shards is not None else
+                              ScoreSums.zeros(self.cov, None, totals=False, device=self.memory.device)).squares
         return self.squares_a
+
+    def _zeros(self, signal: torch.Tensor | None) -> ScoreSums:
+        if self.shards is not None:  # signal None: the memory mode keeps no signal sums
+            return self.shards.zeros(None if signal is None else signal.shape[0])
+        return self.memory.zeros(self.cov, 0 if signal is None else signal.shape[0])
+
+    def _add(self, model, ids, mask, resp, signal, into: ScoreSums) -> None:
+        """Score rows (B, T) (signal (O, B) or None) into ``into``: sharded under fsdp, else in token budgets."""
+        if self.shards is not None:
+            self.shards.score(ids, mask, resp, signal, into=into)
+        else:
+            score_in_budget(model, ids, mask, resp, signal, coverage=self.cov, into=into, **self.engine)
 
     def score(self, model, batch: _Batch, signal: torch.Tensor, sums: ScoreSums | None) -> ScoreSums:
         """Score ``batch`` (signal: (O, B)) into ``sums`` (created on the first call) and return it."""
@@ -716,12 +755,10 @@ class _Stability:
             ids, mask, resp = (t.index_select(0, rows) for t in
                                (batch.input_ids, batch.attention_mask, batch.response_mask))  # (b, T) each
             start = int(mask.any(0).nonzero()[0])  # padding columns these rows share
-            if sums is None:  # signal None: the memory mode keeps no signal sums
-                sums = self.memory.zeros(self.cov, 0 if signal is None else signal.shape[0])
+            sums = self._zeros(signal) if sums is None else sums
             target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0)
-            score_in_budget(model, ids[:, start:], mask[:, start:], resp[:, start:],
-                            None if signal is None else signal.index_select(1, rows), coverage=self.cov, into=target,
-                            **self.engine)
+            self._add(model, ids[:, start:], mask[:, start:], resp[:, start:],
+                      None if signal is None else signal.index_select(1, rows), target)
             if half == 0:
                 sums.count += target.count
             self.samples[half] += len(rows)
@@ -730,7 +767,10 @@ class _Stability:
         return sums
 
     def _unit(self, half: int, squares: dict[str, torch.Tensor], count: int) -> None:
-        now = [float(squares[n].sum(dtype=torch.float64)) for n in self.names]
+        if self.shards is not None:  # the whole accumulator's sums: every rank's rows
+            now = self.shards.masses({n: squares[n] for n in self.names})
+        else:
+            now = [float(squares[n].sum(dtype=torch.float64)) for n in self.names]
         self.unit_masses.append([a - b for a, b in zip(now, self._running[half])])
         self.unit_counts.append(count)
         self._running[half] = now

@@ -15,6 +15,8 @@ Each checkpoint directory is written atomically (``atomic.write_dir``: complete 
 older ones are removed only after the newer one is in place, and the newest complete one is
 resumed. Under torchrun each rank checkpoints its own shard of prompts (ranks never communicate
 before the final merge, so no gathering is needed); a resume needs the same number of ranks.
+Under ``shard: fsdp`` rank 0 gathers the full sums and writes one checkpoint in the one-process
+format (``rank-000-of-001``), which any number of FSDP ranks, or one process, can resume.
 The manifest records what the state depends on (settings, objectives, prompts, model); a
 checkpoint of another calibration is refused, naming what differs.
 """
@@ -63,8 +65,9 @@ def digest(obj) -> str:
 class Checkpointer:
     """One rank's checkpoints: write every ``every`` batches, find and check the newest, discard."""
 
-    def __init__(self, cfg: CheckpointConfig, rank: int, world: int, key: dict):
+    def __init__(self, cfg: CheckpointConfig, rank: int, world: int, key: dict, owner: bool = True):
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.owner = owner  # False: reads this folder but never removes it (fsdp ranks other than 0)
         self.key = {"format": FORMAT, "rank": rank, "world": world, **key}
         self.dir = rank_folder(cfg, rank, world)
         self._check_start()
@@ -83,7 +86,8 @@ class Checkpointer:
                 raise FisherSelectError(
                     f"{self._newest()} is the checkpoint of an interrupted calibration: pass --resume to continue it, "
                     f"or --overwrite to start over (it is deleted), or remove {self.cfg.folder}")
-            shutil.rmtree(self.dir, ignore_errors=True)
+            if self.owner:
+                shutil.rmtree(self.dir, ignore_errors=True)
 
     def _newest(self) -> Path | None:
         if not self.dir.is_dir():
@@ -130,13 +134,18 @@ class Checkpointer:
         _discard(self.cfg, self.rank, self.world)
 
 
-def finish(cfg: CheckpointConfig, rank: int, world: int) -> None:
-    """After rank 0 wrote the run directory: every rank removes its checkpoints (``keep_when_done``)."""
+def finish(cfg: CheckpointConfig, rank: int, world: int, sharded: bool = False) -> None:
+    """After rank 0 wrote the run directory: every rank removes its checkpoints (``keep_when_done``).
+
+    ``sharded`` (``shard: fsdp``): the one checkpoint, in the one-process format, is rank 0's to remove."""
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()  # no rank discards its state before the run is safely written
-    _discard(cfg, rank, world)
+    if not sharded:
+        _discard(cfg, rank, world)
+    elif rank == 0:
+        _discard(cfg, 0, 1)
 
 
 def rank_folder(cfg: CheckpointConfig, rank: int, world: int) -> Path:
@@ -181,10 +190,15 @@ def _take_sums(tensors: dict, prefix: str, info: dict | None, names, place) -> S
     return ScoreSums(parts["squares"], parts["signal"], parts["total"], info["count"])
 
 
-def capture(cal) -> tuple[dict[str, torch.Tensor], dict]:
-    """The state of a ``calibrator._Calibrator`` between batches: (tensors, JSON-able state)."""
+def capture(cal, sums: ScoreSums | None = None, half_a: dict[str, torch.Tensor] | None = None
+            ) -> tuple[dict[str, torch.Tensor], dict]:
+    """The state of a ``calibrator._Calibrator`` between batches: (tensors, JSON-able state).
+
+    ``sums`` / ``half_a``: full sums standing in for the calibrator's own (fsdp: those gathered on
+    rank 0, while the calibrator holds its rows), so the checkpoint is in the one-process format."""
+    sums = cal.sums if sums is None else sums
     tensors = {"rng/sampling": cal.generator.get_state()}
-    meta = {"sums": _put_sums(tensors, "sums", cal.sums), "checks": cal.checks,
+    meta = {"sums": _put_sums(tensors, "sums", sums), "checks": cal.checks,
             "stats": [s.to_dict() for s in cal.stats]}
     if cal.token is not None:
         tensors["rng/signs"] = cal.token.signs.get_state()
@@ -192,16 +206,19 @@ def capture(cal) -> tuple[dict[str, torch.Tensor], dict]:
                          "grads": [_put_sums(tensors, f"token_grad{j}", g) for j, g in enumerate(cal.token.grads)]}
     if cal.stability is not None:
         st = cal.stability
-        for name, t in (st.squares_a or {}).items():
+        half_a = st.squares_a if half_a is None else half_a
+        for name, t in (half_a or {}).items():
             tensors[f"half_a/{name}"] = t
         meta["stability"] = {"samples": st.samples, "prompts": st.prompts, "unit_masses": st.unit_masses,
-                             "unit_counts": st.unit_counts, "running": st._running, "has_a": st.squares_a is not None}
+                             "unit_counts": st.unit_counts, "running": st._running, "has_a": half_a is not None}
     return tensors, meta
 
 
 def restore_state(cal, tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict]) -> None:
     """Put a captured state back into a freshly built calibrator (same settings, checked by the manifest)."""
     where = getattr(getattr(cal, "memory", None), "device", None)  # accumulators kept on the CPU by a memory mode
+    if getattr(cal, "shards", None) is not None:
+        where = "cpu"  # fsdp: the full sums stay on the CPU; each rank moves its rows to its device
 
     def place(name: str, t: torch.Tensor) -> torch.Tensor:
         param = cal.cov.params.get(name)

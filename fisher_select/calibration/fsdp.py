@@ -2,12 +2,13 @@
 
 Every rank samples every prompt with the same seed, in step: an FSDP2 forward is a collective
 (each layer all-gathers its weights), so the ranks must make the same forward calls, and
-identical work is the one schedule that needs no coordination; the samples, signals and
-objective statistics are then those of one process. The scoring is what is split: each
-micro-batch's rows go round-robin to the ranks, which score them through
-``engine.sharded.score_sums_sharded`` (each rank keeps its rows of every parameter's sums), and
-rank 0 gathers the full sums to write the run. What this first cut refuses is listed by
-``problems``.
+identical work is the one schedule that needs no coordination; the samples, signals, objective
+statistics and split-half bookkeeping are then those of one process on every rank. The scoring
+is what is split: each scoring call's micro-batches go round-robin, row by row, to the ranks,
+which score them through ``engine.sharded.score_sums_sharded`` into their rows of every
+parameter's sums (``Shards``). Rank 0 gathers the full sums for a checkpoint (written in the
+one-process format) and for the run; a resumed rank keeps its rows of the checkpoint's sums.
+What is still refused is listed by ``problems``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 from fisher_select.distributed import rank_world
 from fisher_select.engine.batching import micro_batches
-from fisher_select.engine.scoring import ScoreSums
+from fisher_select.engine.scoring import Coverage, ScoreSums
 from fisher_select.errors import FisherSelectError
 
 
@@ -26,16 +27,16 @@ def wrap(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:  # checked first: it holds whatever the launcher
+        raise FisherSelectError(f"--shard fsdp (calibration.fsdp.wrap): {type(model).__name__} has no model.layers "
+                                "(the decoder layers FSDP2 shards one by one); calibrate it unsharded: drop --shard")
     _, world = rank_world()
     if world < 2:
-        raise FisherSelectError("--shard fsdp shards over the ranks of a launcher: run it under torchrun with "
-                                "--nproc_per_node 2 or more (one process: drop --shard)")
+        raise FisherSelectError("--shard fsdp (calibration.fsdp.wrap) shards over the ranks of a launcher: run it "
+                                "under torchrun with --nproc_per_node 2 or more (one process: drop --shard)")
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (world,))
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise FisherSelectError(f"--shard fsdp: {type(model).__name__} has no model.layers to shard layer by layer; "
-                                "score it unsharded (drop --shard)")
     for p in model.parameters():  # FSDP2's unsharded copies take requires_grad once, at their first forward (the
         p.requires_grad_(False)  # sampling); the engine needs them frozen: it rebuilds per-sample gradients itself
     for layer in layers:
@@ -45,37 +46,74 @@ def wrap(model: nn.Module) -> nn.Module:
 
 
 def problems(model: nn.Module, config, objectives, checkpoint) -> list[str]:
-    """What ``--shard fsdp`` does not run (yet), each with what to do instead."""
+    """What ``--shard fsdp`` does not run (yet), each with where it is refused and what to do instead."""
     from torch.distributed.tensor import DTensor
 
     out = []
     if rank_world()[1] < 2 or not any(isinstance(p, DTensor) for p in model.parameters()):
         out.append("shard=fsdp needs two or more ranks (torchrun) and a model wrapped by calibration.fsdp.wrap "
                    "(the CLI wraps it); one process: drop --shard")
-    if config.stability:
-        out.append("--shard fsdp keeps no split-half diagnostics: add --no-stability")
     if config.accumulate_on != "device":
-        out.append("--shard fsdp shards the accumulators already: drop --accumulate-on cpu")
+        out.append("--shard fsdp keeps each rank's rows of the accumulators on its device (they are 1/world of the "
+                   "whole already): drop --accumulate-on cpu")
     token = [o.name for o in objectives if o.token_level]
     if token:
-        out.append(f"--shard fsdp scores sequence-level objectives only, not {token}: drop --shard for them")
-    if checkpoint is not None and (checkpoint.every or checkpoint.resume):
-        out.append("--shard fsdp writes no checkpoints: drop --checkpoint-every / --resume")
+        out.append(f"--shard fsdp scores sequence-level objectives only; {token} are token-level (their sign draws "
+                   "and token-weighted passes have no sharded accumulators yet): calibrate them without --shard")
+    if checkpoint is not None and (checkpoint.every or checkpoint.resume) and checkpoint.model_id is None:
+        out.append("--shard fsdp checkpoints need CheckpointConfig(model_id=fingerprint(model)['id']) computed "
+                   "before calibration.fsdp.wrap (a sharded model has no full weights to fingerprint; "
+                   "the CLI does this)")
     return out
 
 
-def score_collected(model: nn.Module, batches: list, objectives: int | None, *, squares: bool, totals: bool,
-                    params: set[str] | None, max_tokens: int | None, max_rows: int) -> ScoreSums | None:
-    """Score every collected batch ``(ids, mask, response mask, signal (O, B) or None)``, this rank's
-    rows of each micro-batch; the full sums on rank 0, None on the other ranks (collective)."""
-    from fisher_select.engine.sharded import score_sums_sharded
+class Shards:
+    """This rank's rows of the calibration's sums, and the collectives that fill, measure, cut and gather them.
 
-    rank, world = rank_world()
-    mine = []
-    for ids, mask, resp, signal in batches:
-        budget = None if max_tokens is None else max_tokens * world  # each rank's share: max_tokens, max_rows
-        for part in micro_batches(mask, budget, max_rows * world):
-            rows = part[rank::world]
+    Sums are plain ``ScoreSums`` whose tensors hold this rank's rows of each parameter, cut along
+    its sharded dim as FSDP2 cuts it (``engine.sharded.Layout``; the whole tensor where the
+    parameter is not sharded). Every method is a collective except ``zeros`` and ``cut``: all
+    ranks call them in the same order.
+    """
+
+    def __init__(self, model: nn.Module, cov: Coverage, *, max_tokens: int | None, max_rows: int,
+                 squares: bool = True, totals: bool = True, params: set[str] | None = None):
+        from fisher_select.engine.scoring import _restricted, plan_coverage
+        from fisher_select.engine.sharded import mesh_layouts, resharded
+
+        # planned again on the sharded parameters: ``cov`` may hold the root's unsharded ones (after a forward)
+        self.cov = _restricted(plan_coverage(resharded(model)), set(cov.shapes))
+        self.model, self.max_tokens, self.max_rows = model, max_tokens, max_rows
+        self.squares, self.totals, self.params = squares, totals, params
+        self.layouts, self.group, self.rank, self.world = mesh_layouts(model, self.cov)
+
+    def zeros(self, objectives: int | None, *, squares: bool | None = None, totals: bool | None = None) -> ScoreSums:
+        """Zero rows of every kind this calibration keeps (signal sums: ``objectives`` rows, None: none);
+        ``squares`` / ``totals`` override the memory mode (the split halves' squares alone)."""
+        from fisher_select.engine.sharded import local_shape
+
+        def rows(name: str, *lead: int) -> torch.Tensor:
+            return torch.zeros(*lead, *local_shape(self.layouts[name]), device=self.cov.params[name].device)
+
+        squares = self.squares if squares is None else squares
+        totals = self.totals if totals is None else totals
+        names = list(self.cov.shapes)
+        return ScoreSums({n: rows(n) for n in names} if squares else None,
+                         None if objectives is None else {n: rows(n, objectives) for n in names},
+                         {n: rows(n) for n in names} if totals else None, 0)
+
+    def score(self, ids: torch.Tensor, mask: torch.Tensor, resp: torch.Tensor, signal: torch.Tensor | None,
+              into: ScoreSums | None = None) -> ScoreSums:
+        """Add the rows ``(B, T)`` (signal (O, B) or None) to ``into`` (new zeros when None): this rank scores
+        its rows of each micro-batch, every rank adds the reduced sums to its rows; returns ``into``."""
+        from fisher_select.engine.sharded import score_sums_sharded
+
+        objectives = None if signal is None else signal.shape[0]
+        into = self.zeros(objectives) if into is None else into
+        mine = []
+        budget = None if self.max_tokens is None else self.max_tokens * self.world  # each rank's share: max_tokens
+        for part in micro_batches(mask, budget, self.max_rows * self.world):
+            rows = part[self.rank :: self.world]
             if not rows:
                 continue
             pick = torch.tensor(rows, device=ids.device)  # (b,)
@@ -83,5 +121,40 @@ def score_collected(model: nn.Module, batches: list, objectives: int | None, *, 
             start = int(cut.any(0).nonzero()[0])  # leading columns that are padding in every row
             piece = (ids.index_select(0, pick)[:, start:], cut[:, start:], resp.index_select(0, pick)[:, start:])
             mine.append(piece + (() if signal is None else (signal.index_select(1, pick),)))
-    sums = score_sums_sharded(model, mine, objectives=objectives, squares=squares, totals=totals, params=params)
-    return sums.gather(0)
+        score_sums_sharded(self.model, mine, objectives=objectives, squares=into.squares is not None,
+                           totals=into.total is not None, params=self.params, into=into)
+        return into
+
+    def masses(self, squares: dict[str, torch.Tensor]) -> list[float]:
+        """Per parameter, the float64 sum of the whole accumulator over all ranks (a replicated one counted once)."""
+        import torch.distributed as dist
+
+        local = [float(t.sum(dtype=torch.float64)) if self.layouts[n].dim is not None or self.rank == 0 else 0.0
+                 for n, t in squares.items()]
+        total = torch.tensor(local, dtype=torch.float64, device=next(iter(squares.values())).device)
+        dist.all_reduce(total, group=self.group)
+        return total.tolist()
+
+    def gather(self, sums: ScoreSums | None) -> ScoreSums | None:
+        """The full sums on rank 0 (None elsewhere, and for None)."""
+        from fisher_select.engine.sharded import ShardedScoreSums
+
+        if sums is None:
+            return None
+        return ShardedScoreSums(sums.squares, sums.signal, sums.total, sums.count, self.layouts, 0, 0,
+                                self.group).gather(0)
+
+    def cut(self, sums: ScoreSums | None) -> ScoreSums | None:
+        """This rank's rows of full sums (a checkpoint's), on the parameters' devices."""
+        from fisher_select.engine.sharded import cut_rows
+
+        if sums is None:
+            return None
+
+        def rows(kind: str, lead: int) -> dict[str, torch.Tensor] | None:
+            full = getattr(sums, kind)
+            if full is None:
+                return None
+            return {n: cut_rows(t, self.layouts[n], lead).to(self.cov.params[n].device) for n, t in full.items()}
+
+        return ScoreSums(rows("squares", 0), rows("signal", 1), rows("total", 0), sums.count)

@@ -47,7 +47,8 @@ class CalibrationConfig:
     shard: str = field(default="none", metadata={
         "help": "fsdp: under torchrun, shard the weights (each decoder layer, FSDP2) and the accumulators over the "
                 "ranks; every rank samples every prompt in step, the ranks split the scoring, rank 0 writes the run "
-                "(same result as one process; needs --no-stability, sequence-level objectives, no checkpoints); "
+                "(same result as one process, split halves and checkpoints included; sequence-level objectives only, "
+                "no --accumulate-on cpu); "
                 "none: each rank holds the whole model (data parallel under torchrun)",
         "choices": ("none", "fsdp"),
     })

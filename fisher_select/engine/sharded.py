@@ -85,6 +85,47 @@ def layout_of(p: nn.Parameter, shape: tuple[int, ...], rank: int, world: int) ->
     return Layout(shape, dim, start, stop, chunk)
 
 
+def resharded(model: nn.Module) -> nn.Module:
+    """``model`` with every FSDP2 module's sharded parameters registered (in place).
+
+    The root keeps its parameters unsharded after a forward without backward (FSDP2 expects the
+    backward to need them at once), so after sampling its embedding, norm and head are plain
+    tensors; read then, their layouts would say "replicated" while earlier calls kept shards.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()  # not recursive; a no-op where already sharded
+    return model
+
+
+def mesh_layouts(model: nn.Module, cov: Coverage) -> tuple[dict[str, Layout], object, int, int]:
+    """(layouts of every covered parameter, process group, rank, world) of the model's FSDP2 mesh.
+
+    ``cov``: the coverage planned on the model with its sharded parameters registered (``resharded``)."""
+    mesh = _mesh_of(model)
+    rank, world = mesh.get_local_rank(), mesh.size()
+    layouts = {n: layout_of(cov.params[n], cov.shapes[n], rank, world) for n in cov.shapes}
+    return layouts, mesh.get_group(), rank, world
+
+
+def local_shape(lay: Layout) -> tuple[int, ...]:
+    """The shape of this rank's rows of a parameter's accumulator (no objectives axis)."""
+    shape = list(lay.shape)
+    if lay.dim is not None:
+        shape[lay.dim] = lay.stop - lay.start
+    return tuple(shape)
+
+
+def cut_rows(t: torch.Tensor, lay: Layout, lead: int = 0) -> torch.Tensor:
+    """This rank's rows of a full-shape accumulator ``t`` (``lead`` leading axes before the parameter's
+    shape: 1 for signal sums), a copy, so the full tensor can be freed."""
+    if lay.dim is None:
+        return t.clone()
+    return t.narrow(lay.dim + lead, lay.start, lay.stop - lay.start).clone()
+
+
 def _padded(t: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
     """``t`` moved to put ``dim`` first, zero-padded to ``rows`` along it, contiguous."""
     x = t.movedim(dim, 0)
@@ -111,21 +152,33 @@ class _Scatter:
     """Per-rank state: the shards kept, the full-shape buffers of the batch, the collectives."""
 
     def __init__(self, cov: Coverage, layouts: dict[str, Layout], kinds: tuple[str, ...], objectives: int | None,
-                 group, rank: int, world: int, dtype: torch.dtype):
+                 group, rank: int, world: int, dtype: torch.dtype, into: ScoreSums | None = None):
         self.cov, self.layouts, self.kinds, self.objectives = cov, layouts, kinds, objectives
         self.group, self.rank, self.world, self.dtype = group, rank, world, dtype
         self.live = self.peak = 0
-        self.shards = {k: {n: self._zeros(n, k, local=True) for n in cov.shapes} for k in kinds}
+        self.shards = {k: self._kept(k, into) for k in kinds}
         self.full = {k: _Buffers(lambda n, k=k: self._zeros(n, k)) for k in kinds}
+
+    def _kept(self, kind: str, into: ScoreSums | None) -> dict[str, torch.Tensor]:
+        """The rows this rank keeps: ``into``'s (running sums of earlier calls), else new zeros."""
+        if into is None:
+            return {n: self._zeros(n, kind, local=True) for n in self.cov.shapes}
+        kept = getattr(into, kind)
+        for n in self.cov.shapes:
+            want = (*self._lead(kind), *local_shape(self.layouts[n]))
+            if kept is None or n not in kept or tuple(kept[n].shape) != want:
+                got = None if kept is None or n not in kept else tuple(kept[n].shape)
+                raise FisherSelectError(f"into= holds no rows {want} of {kind} sums of {n} (got {got}): pass the "
+                                        "sums of an earlier call with the same model, kinds and objectives")
+            self._count(kept[n].numel() * kept[n].element_size())
+        return kept
 
     def _lead(self, kind: str) -> tuple[int, ...]:
         return (self.objectives,) if kind == "signal" else ()
 
     def _zeros(self, name: str, kind: str, local: bool = False) -> torch.Tensor:
         lay = self.layouts[name]
-        shape = list(lay.shape)
-        if local and lay.dim is not None:
-            shape[lay.dim] = lay.stop - lay.start
+        shape = local_shape(lay) if local else lay.shape
         t = torch.zeros(*self._lead(kind), *shape, dtype=self.dtype, device=self.cov.params[name].device)
         self._count(t.numel() * t.element_size())
         return t
@@ -240,6 +293,7 @@ def score_sums_sharded(
     params: "set[str] | None" = None,
     block: int = DEFAULT_BLOCK,
     accumulate_dtype: torch.dtype = torch.float32,
+    into: ScoreSums | None = None,
 ) -> ShardedScoreSums:
     """Sums over every rank's samples of per-sample scores, kept sharded like the parameters.
 
@@ -249,14 +303,14 @@ def score_sums_sharded(
     keep signal sums, whose values then always have a leading objectives axis). ``model``:
     wrapped with ``fully_shard`` (each decoder layer, then the root) on a 1-D mesh. Ranks may
     have different numbers of batches: the short ones score padding batches. ``squares``,
-    ``totals`` and ``params`` as in ``score_sums`` (the memory modes).
+    ``totals`` and ``params`` as in ``score_sums`` (the memory modes). ``into``: this rank's rows
+    of earlier sums (a ``ShardedScoreSums`` or a ``ScoreSums`` holding rows cut by ``cut_rows``,
+    same kinds and objectives) to add to in place; its ``count`` grows by this call's rows.
 
     Parameters no rule covers are refused: their exact fallback differentiates with respect to
     the parameter, and under FSDP2 the gradient reaches the all-gathered copy, not the shard.
     """
-    mesh = _mesh_of(model)
-    group, rank, world = mesh.get_group(), mesh.get_local_rank(), mesh.size()
-    cov = _restricted(plan_coverage(model), params)
+    cov = _restricted(plan_coverage(resharded(model)), params)  # the same layouts after a sampling forward
     if cov.fallback:
         raise FisherSelectError("score_sums_sharded covers rule-covered parameters only; no rule covers "
                                 f"{sorted(cov.fallback)[:5]} (restrict with params=, or score unsharded)")
@@ -269,15 +323,14 @@ def score_sums_sharded(
     kinds = tuple(k for k, on in zip(KINDS, (squares, objectives is not None, totals)) if on)
     if not kinds:
         raise FisherSelectError("nothing to accumulate: squares=False, totals=False and no objectives")
+    layouts, group, rank, world = mesh_layouts(model, cov)
     device = next(iter(cov.params.values())).device
     rows = torch.tensor([sum(int(b[0].shape[0]) for b in batches)], dtype=torch.long, device=device)
     steps = torch.tensor([len(batches)], dtype=torch.long, device=device)
     dist.all_reduce(rows, group=group)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)  # every rank scores this many batches
     steps, rows = int(steps), int(rows)
-
-    layouts = {n: layout_of(cov.params[n], cov.shapes[n], rank, world) for n in cov.shapes}
-    scatter = _Scatter(cov, layouts, kinds, objectives, group, rank, world, accumulate_dtype)
+    scatter = _Scatter(cov, layouts, kinds, objectives, group, rank, world, accumulate_dtype, into)
     lead = lambda k: objectives if k == "signal" else 1  # noqa: E731
     full_bytes = sum(math.prod(s) * lead(k) for s in cov.shapes.values() for k in kinds)
     full_bytes *= torch.empty((), dtype=accumulate_dtype).element_size()
@@ -290,4 +343,7 @@ def score_sums_sharded(
         if left:  # cannot happen: score_sums reports every parameter
             raise FisherSelectError(f"sharded scoring: sums of {left[:5]} were never reduced")
     get = lambda k: scatter.shards[k] if k in kinds else None  # noqa: E731
+    if into is not None:
+        into.count += rows
+        rows = into.count
     return ShardedScoreSums(get("squares"), get("signal"), get("total"), rows, layouts, scatter.peak, full_bytes, group)
