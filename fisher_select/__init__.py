@@ -34,7 +34,7 @@ _LAZY = {
     "sparse_fine_tune": "fisher_select.outputs.masks",
     "SparseDeltaHandle": "fisher_select.outputs.sparse",
     "load_sparse_delta": "fisher_select.outputs.sparse",
-    "LoraHintConfig": "fisher_select.outputs.lora",
+    "LoraHintConfig": "fisher_select.outputs.settings",
     "LoraHints": "fisher_select.outputs.lora",
     "lora_hints": "fisher_select.outputs.lora",
     "lora_config": "fisher_select.outputs.lora",

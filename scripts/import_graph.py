@@ -17,6 +17,7 @@ FLOORS = [
                 "fisher_select.fields", "fisher_select.distributed", "fisher_select.stats", "fisher_select.timing"]),
     ("run schema", ["fisher_select.rundir"]),
     ("engine", ["fisher_select.engine"]),
+    ("model names", ["fisher_select.model_names"]),
     ("models", ["fisher_select.models"]),
     ("calibration", ["fisher_select.calibration"]),
     ("recipes", ["fisher_select.config"]),

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fisher_select import load_run
 from fisher_select.cli import main
+from fisher_select.commands import HELP
 
 SMALL = ["--num-prompts", "2", "--samples-per-prompt", "2", "--max-new-tokens", "8", "--no-progress"]
 
@@ -168,13 +169,22 @@ def test_version_flag(capsys):
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"fisher-select {fisher_select.__version__}"
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["no-such-command"]])
-def test_light_answers_import_no_heavy_library(argv):
-    """--version, --help and a mistyped command import no command module, so no torch (fast start)."""
-    code = ("import sys\nfrom fisher_select.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))" % (argv,))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+ANSWERS = [["--version"], ["--help"], ["recipes"], ["recipes", "show", "rl-arithmetic-graded"],
+           ["recipes", "show", "sft-demonstrations"], ["recipes", "show", "opd-full-arithmetic"], ["recipes", "fields"],
+           *([name, "--help"] for name in sorted(HELP))]
+ARGUMENT_ERRORS = [["no-such-command"], ["calibrate", "--no-such-flag"], ["select"], ["export"], ["lora"]]
+
+
+@pytest.mark.parametrize("argv,code", [(a, 0) for a in ANSWERS] + [(a, 2) for a in ARGUMENT_ERRORS],
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_light_answers_import_no_heavy_library(argv, code):
+    """--version, --help, the recipes commands and argument errors load no torch, transformers or PEFT
+    (an answer in a fraction of a second): a command imports them only when it runs."""
+    script = ("import sys\nfrom fisher_select.cli import main\ntry:\n    rc = main(%r)\nexcept SystemExit as exc:\n"
+              "    rc = exc.code\nprint(rc, sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+              % (argv,))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == f"{code} []", done.stdout + done.stderr
 
 
 def test_public_api_is_importable_from_the_top_level():

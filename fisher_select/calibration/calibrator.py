@@ -26,7 +26,7 @@ from fisher_select.engine.memory import MemoryMode
 from fisher_select.errors import DegenerateResultWarning, FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
-from fisher_select.calibration.settings import CalibrationConfig
+from fisher_select.calibration.settings import CalibrationConfig, SamplingConfig
 from fisher_select.calibration import fsdp
 from fisher_select.calibration.budget import check_memory, estimate_memory, sampling_rows
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
@@ -35,7 +35,7 @@ from fisher_select.rundir import BoundsView
 from fisher_select.stats.conformity import ScoreMeanConformity, score_mean_conformity
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.stability import SplitHalf, compare_halves
-from fisher_select.calibration.sampling import SamplingConfig, eos_ids_of, pad_id_of, pad_rows, sample_responses
+from fisher_select.calibration.sampling import eos_ids_of, pad_id_of, pad_rows, sample_responses
 from fisher_select.calibration.checkpoint import CheckpointConfig, Checkpointer, capture, digest, restore_state
 from fisher_select.calibration.rollouts import Rollouts, mismatch_summary, tokenize_rollouts
 from fisher_select.calibration.teachers import sequence_logprobs

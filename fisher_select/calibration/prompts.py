@@ -1,4 +1,4 @@
-"""Prompt files (JSONL) and turning a prompt into the token ids the model continues."""
+"""Prompt and demonstration files (JSONL), and turning a prompt into the token ids the model continues."""
 
 from __future__ import annotations
 
@@ -55,6 +55,18 @@ def load_prompts(path, limit: int | None = None) -> list[PromptRecord]:
         raise FisherSelectError(f"{limit} prompts were asked for (num_prompts) but {path} has only {len(records)}; "
                                 f"pass --num-prompts {len(records)} or fewer, or add prompts to the file")
     return records
+
+
+def load_demonstrations(path: Path) -> list[PromptRecord]:
+    """Demonstration lines: a prompt (``prompt`` or ``messages``) and a ``response`` string."""
+    if not Path(path).is_file():
+        raise FisherSelectError(
+            f"demonstrations file {path} does not exist; give a JSONL file of prompt + response lines")
+    demos = load_prompts(path)
+    for d in demos:
+        if not isinstance(d.fields.get("response"), str):
+            raise FisherSelectError(f"{path}:{d.index + 1}: needs a \"response\" string (the demonstrated answer)")
+    return demos
 
 
 def _decode(raw: bytes, path: Path, lineno: int) -> str:

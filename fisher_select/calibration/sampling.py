@@ -9,45 +9,14 @@ told otherwise, and a model's ``generation_config`` may carry top-p or repetitio
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from fisher_select.errors import FisherSelectError
+from fisher_select.calibration.settings import SamplingConfig  # noqa: F401  (its former home: imports still work)
 from fisher_select.engine.logprob import position_ids_from_mask
-
-
-@dataclass
-class SamplingConfig:
-    """Sampling settings. Only the plain setting estimates the model Fisher; others are refused."""
-
-    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; only 1 is accepted"})
-    top_k: int | None = field(default=None, metadata={"help": "keep the k likeliest tokens; only unset or 0 is accepted"})
-    top_p: float | None = field(default=None, metadata={"help": "nucleus sampling; only unset or 1 is accepted"})
-    min_p: float | None = field(default=None, metadata={"help": "min-p truncation; only unset or 0 is accepted"})
-    typical_p: float | None = field(default=None, metadata={"help": "typical sampling; only unset or 1 is accepted"})
-    repetition_penalty: float | None = field(default=None, metadata={
-        "help": "repetition penalty; only unset or 1 is accepted"})
-
-    def problems(self) -> list[str]:
-        """Why this setting is not plain ancestral sampling (empty when it is)."""
-        plain = {"temperature": 1.0, "top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0),
-                 "typical_p": (None, 1.0), "repetition_penalty": (None, 1.0)}
-        out = []
-        for f in fields(self):
-            value, ok = getattr(self, f.name), plain[f.name]
-            if value not in (ok if isinstance(ok, tuple) else (ok,)):
-                out.append(
-                    f"sampling.{f.name}={value!r} is not plain sampling: the Fisher is an expectation under "
-                    "the model's own distribution, so responses must be drawn at temperature 1 with no "
-                    "truncation or penalty; remove the setting"
-                )
-        return out
-
-    def describe(self) -> dict:
-        return {"method": "ancestral", "temperature": 1.0, "top_k": None, "top_p": None, "min_p": None,
-                "typical_p": None, "repetition_penalty": None}
 
 
 @dataclass

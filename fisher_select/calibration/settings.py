@@ -1,12 +1,15 @@
 """The calibration settings ``calibrate()`` takes and a recipe sets: defaults and help, once.
 
 ``RecipeConfig`` inherits these fields (a recipe's top-level keys), ``calibrate`` takes the config
-whole, and the CLI's flags are generated from the same fields.
+whole, and the CLI's flags are generated from the same fields. The sampling keys
+(``SamplingConfig``) and a teacher's or demonstrator's keys (``TeacherConfig``) live here too.
+Nothing here needs torch, so a recipe is read, checked and explained without loading it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import string
 from dataclasses import dataclass, field
 
 from fisher_select.errors import FisherSelectError
@@ -95,3 +98,67 @@ class CalibrationConfig:
         """Just the calibration fields (of a ``RecipeConfig``, say)."""
         return CalibrationConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CalibrationConfig)})
 
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings. Only the plain setting estimates the model Fisher; others are refused."""
+
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; only 1 is accepted"})
+    top_k: int | None = field(default=None, metadata={"help": "keep the k likeliest tokens; only unset or 0 is accepted"})
+    top_p: float | None = field(default=None, metadata={"help": "nucleus sampling; only unset or 1 is accepted"})
+    min_p: float | None = field(default=None, metadata={"help": "min-p truncation; only unset or 0 is accepted"})
+    typical_p: float | None = field(default=None, metadata={"help": "typical sampling; only unset or 1 is accepted"})
+    repetition_penalty: float | None = field(default=None, metadata={
+        "help": "repetition penalty; only unset or 1 is accepted"})
+
+    def problems(self) -> list[str]:
+        """Why this setting is not plain ancestral sampling (empty when it is)."""
+        plain = {"temperature": 1.0, "top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0),
+                 "typical_p": (None, 1.0), "repetition_penalty": (None, 1.0)}
+        out = []
+        for f in dataclasses.fields(self):
+            value, ok = getattr(self, f.name), plain[f.name]
+            if value not in (ok if isinstance(ok, tuple) else (ok,)):
+                out.append(
+                    f"sampling.{f.name}={value!r} is not plain sampling: the Fisher is an expectation under "
+                    "the model's own distribution, so responses must be drawn at temperature 1 with no "
+                    "truncation or penalty; remove the setting"
+                )
+        return out
+
+    def describe(self) -> dict:
+        return {"method": "ancestral", "temperature": 1.0, "top_k": None, "top_p": None, "min_p": None,
+                "typical_p": None, "repetition_penalty": None}
+
+
+SELF = "self"  # TeacherConfig.model value: the model being calibrated, under another context
+
+
+@dataclass
+class TeacherConfig:
+    """Recipe keys of a teacher (distillation) or demonstrator (SFT)."""
+
+    model: str = field(default=SELF, metadata={
+        "help": "'self' (the calibrated model under another context), or a model directory, .gguf file, "
+                "cached hub id or embedded name"})
+    system_prompt: str | None = field(default=None, metadata={
+        "help": "the teacher's system message (plain text before the prompt when the tokenizer has no chat template)"})
+    user_template: str | None = field(default=None, metadata={
+        "help": "the teacher's user message: {prompt} is the model's prompt, {name} any field of the prompt record"})
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.model.strip():
+            out.append("model: give 'self' or a model path / name")
+        if self.model == SELF and self.system_prompt is None and self.user_template is None:
+            out.append(
+                "the teacher is the model itself under the same context, so its signal is zero; "
+                "set system_prompt or user_template, or give another model"
+            )
+        if self.user_template is not None:
+            try:
+                list(string.Formatter().parse(self.user_template))
+            except ValueError as exc:
+                out.append(f"user_template: not a valid format string ({exc}); "
+                           "write {prompt} and {field} placeholders")
+        return out

@@ -16,8 +16,7 @@ Only the context differs between model and teacher; the response tokens are the 
 
 from __future__ import annotations
 
-import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,38 +25,7 @@ from fisher_select.engine.logprob import forward_logits
 from fisher_select.models import load_model
 from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.sampling import left_pad
-
-SELF = "self"  # TeacherConfig.model value: the model being calibrated, under another context
-
-
-@dataclass
-class TeacherConfig:
-    """Recipe keys of a teacher (distillation) or demonstrator (SFT)."""
-
-    model: str = field(default=SELF, metadata={
-        "help": "'self' (the calibrated model under another context), or a model directory, .gguf file, "
-                "cached hub id or embedded name"})
-    system_prompt: str | None = field(default=None, metadata={
-        "help": "the teacher's system message (plain text before the prompt when the tokenizer has no chat template)"})
-    user_template: str | None = field(default=None, metadata={
-        "help": "the teacher's user message: {prompt} is the model's prompt, {name} any field of the prompt record"})
-
-    def problems(self) -> list[str]:
-        out = []
-        if not self.model.strip():
-            out.append("model: give 'self' or a model path / name")
-        if self.model == SELF and self.system_prompt is None and self.user_template is None:
-            out.append(
-                "the teacher is the model itself under the same context, so its signal is zero; "
-                "set system_prompt or user_template, or give another model"
-            )
-        if self.user_template is not None:
-            try:
-                list(string.Formatter().parse(self.user_template))
-            except ValueError as exc:
-                out.append(f"user_template: not a valid format string ({exc}); "
-                           "write {prompt} and {field} placeholders")
-        return out
+from fisher_select.calibration.settings import SELF, TeacherConfig
 
 
 @dataclass

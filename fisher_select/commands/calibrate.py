@@ -7,9 +7,6 @@ import sys
 from fisher_select.commands import HELP
 
 from fisher_select.config import RecipeConfig, find_recipe, load_recipe
-from fisher_select.distributed import rank_world
-from fisher_select.pipeline import run_recipe
-from fisher_select.report.text import run_summary_lines
 from fisher_select.fields import add_dataclass_arguments
 
 
@@ -34,6 +31,11 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
+    # imported here, not above: they load torch, which `calibrate --help` and a bad flag do not need
+    from fisher_select.distributed import rank_world
+    from fisher_select.pipeline import run_recipe
+    from fisher_select.report.text import run_summary_lines
+
     path = find_recipe(args.recipe)
     recipe = load_recipe(path, {name: getattr(args, name) for name in args.overrides})
     result = run_recipe(recipe, args.out, overwrite=args.overwrite, progress=not args.no_progress,

@@ -15,6 +15,7 @@ from fisher_select.commands import HELP, add_command
 from fisher_select.commands.lora import PICK_FLAGS, RANK_FLAGS, add_lora_arguments, hint_kwargs, write_lora
 from fisher_select.errors import FisherSelectError
 from fisher_select.fields import add_dataclass_arguments
+from fisher_select.outputs.settings import UnfreezeConfig
 
 FORMATS = ("axolotl", "peft", "sparse-delta")
 AXOLOTL_FLAGS = ("bound_mass", "top_modules", "objective")
@@ -44,8 +45,6 @@ def register(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     axolotl = p.add_argument_group("axolotl")
     pick = axolotl.add_mutually_exclusive_group()
-    from fisher_select.outputs.axolotl import UnfreezeConfig
-
     add_dataclass_arguments(pick, UnfreezeConfig)
     axolotl.add_argument("--objective", metavar="NAME", help="objective whose Fisher ranks modules (default: primary)")
     add_lora_arguments(p.add_argument_group("peft (as `fisher-select lora`)"))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fisher_select.caveats import MASK_CAVEAT
 from fisher_select.fields import add_dataclass_arguments
+from fisher_select.outputs.settings import LoraHintConfig
 
 SNIPPET = """\
 # apply in Python: plain PEFT reads the directory as any adapter config ...
@@ -42,8 +43,6 @@ def register(subparsers) -> None:
 
 def add_lora_arguments(p) -> None:
     """The hint flags (``LoraHintConfig``), shared with ``export --format peft``; a flag not given is None."""
-    from fisher_select.outputs.lora import LoraHintConfig
-
     pick = p.add_mutually_exclusive_group()  # None for both: the coverage default applies
     add_dataclass_arguments(pick, LoraHintConfig, include=PICK_FLAGS)
     add_dataclass_arguments(p, LoraHintConfig, include=RANK_FLAGS)

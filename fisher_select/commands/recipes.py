@@ -14,7 +14,7 @@ from fisher_select.commands import HELP
 import argparse
 from pathlib import Path
 
-from fisher_select.config import (build_objectives, commented_yaml, find_recipe, load_recipe, recipe_reference,
+from fisher_select.config import (check_objective_files, commented_yaml, find_recipe, load_recipe, recipe_reference,
                                   recipe_to_dict, recipes_dir)
 from fisher_select.errors import FisherSelectError
 
@@ -64,12 +64,12 @@ def run_list(args: argparse.Namespace) -> int:
 def run_show(args: argparse.Namespace) -> int:
     path = find_recipe(args.name)
     recipe = load_recipe(path)
-    objectives = build_objectives(recipe, path.parent)  # builds nothing heavy: teachers load lazily
+    check_objective_files(recipe)  # explained from the configs, no objective built: no torch loaded
     print(f"recipe: {path.stem}  ({path})")
     print(f"description: {recipe.description}")
-    for i, o in enumerate(objectives, start=1):
+    for i, cfg in enumerate(recipe.objectives, start=1):
         print()
-        for line in _objective_lines(i, o.describe(), o):
+        for line in _objective_lines(i, cfg):
             print(line)
     notes = _header_comments(path)
     if notes:
@@ -90,17 +90,19 @@ def _type_names(recipe) -> list[str]:
     return [entry["type"] for entry in recipe_to_dict(recipe)["objectives"]]
 
 
-def _objective_lines(i: int, d: dict, objective) -> list[str]:
+def _objective_lines(i: int, cfg) -> list[str]:
+    about = cfg.about()
+    d = about.describe(cfg.name)
     lines = [f"objective {i}: {d['name']} (type {d['type']})",
              f"  signal: {d['signal']}",
              f"  scale:  {d['scale']}",
              f"  data:   {d['data']}"]
-    if d.get("token_level"):
-        lines.append(f"  Fisher: token-level F^tok (Rademacher sign draws: {objective.sign_draws})")
+    if about.token_level:  # a token-level type's config sets its sign draws
+        lines.append(f"  Fisher: token-level F^tok (Rademacher sign draws: {cfg.sign_draws})")
     else:
         lines.append("  Fisher: the shared model Fisher F")
-    if objective.min_samples_per_prompt > 1:
-        lines.append(f"  needs:  samples_per_prompt >= {objective.min_samples_per_prompt}")
+    if about.min_samples_per_prompt > 1:
+        lines.append(f"  needs:  samples_per_prompt >= {about.min_samples_per_prompt}")
     lines.append("  caveats:")
     lines.extend(f"    - {c}" for c in d["caveats"])
     return lines

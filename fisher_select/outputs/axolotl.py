@@ -28,7 +28,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -38,26 +38,14 @@ from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
 from fisher_select.outputs.lora import refuse_unmatched
+from fisher_select.outputs.settings import DEFAULT_BOUND_MASS
+from fisher_select.outputs.settings import UnfreezeConfig  # noqa: F401  (its former home: imports still work)
 from fisher_select.rundir import Run, load_run
 from fisher_select.stats.naming import module_of
 
 AXOLOTL_KEY = "unfrozen_parameters"
 _RANGE_SUFFIX = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")  # axolotl's LayerNamePattern range syntax
 _SHOWN = 5  # names listed in an error before "... and N more"
-
-
-@dataclass
-class UnfreezeConfig:
-    """How ``fisher-select export --format axolotl`` chooses the modules to train."""
-
-    bound_mass: float | None = field(default=None, metadata={
-        "help": "the fewest modules holding this share of the model's bound mass (sum of sqrt(F)); "
-                "default 0.5 when --top-modules is not given"})
-    top_modules: int | None = field(default=None, metadata={
-        "help": "the N modules with the most bound mass", "min": 1})
-
-
-DEFAULT_BOUND_MASS = 0.5
 
 
 # ---------------------------------------------------------------------------

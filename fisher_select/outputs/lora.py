@@ -20,7 +20,6 @@ escaped full name matches exactly the modules the same ``target_modules`` entry 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -34,48 +33,12 @@ import peft  # the PEFT library
 from fisher_select.atomic import check_dir_target, write_dir
 from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
-from fisher_select.fields import build_dataclass
 from fisher_select.models import check_fingerprint
 from fisher_select.outputs import targets as tg
+from fisher_select.outputs.settings import DEFAULT_COVERAGE, LoraHintConfig
 from fisher_select.rundir import (LORA_CONFIG_FILE, LORA_PROVENANCE_FILE, LORA_PROVENANCE_FORMAT, Run, load_run,
                                   read_json)
 from fisher_select.stats.naming import module_of
-
-
-DEFAULT_COVERAGE = 0.9
-
-
-@dataclass
-class LoraHintConfig:
-    """How LoRA targets are chosen and a rank budget is split among them."""
-
-    coverage: float | None = field(default=None, metadata={
-        "help": "the fewest modules holding this fraction of the eligible modules' mass (by --ranking); "
-                f"default {DEFAULT_COVERAGE} when top_n is not given"})
-    top_n: int | None = field(default=None, metadata={"help": "the N modules with the most mass (by --ranking)"})
-    ranking: str = field(default=tg.DEFAULT_RANKING, metadata={
-        "help": "module mass that ranks targets and splits ranks: bound_mass = sum of sqrt(F) (tracks module "
-                "movement), fisher_mass = sum of F", "choices": tg.RANKINGS})
-    mean_rank: int = field(default=8, metadata={
-        "help": "rank per target when no total_rank is given (total_rank = mean_rank * targets)", "min": 1})
-    total_rank: int | None = field(default=None, metadata={
-        "help": "sum of all ranks, split in proportion to the ranking mass (default mean_rank per target)", "min": 1})
-    rank_step: int = field(default=4, metadata={"help": "ranks are multiples of this step", "min": 1})
-    min_rank: int | None = field(default=None, metadata={"help": "smallest rank (default the rank step)", "min": 1})
-    max_rank: int | None = field(default=None, metadata={
-        "help": "largest rank (default min(out, in) per module)", "min": 1})
-    alpha_ratio: float = field(default=2.0, metadata={"help": "lora_alpha = alpha_ratio * r for every module"})
-
-    @classmethod
-    def with_fields(cls, config: "LoraHintConfig | None", fields: dict) -> "LoraHintConfig":
-        """``config`` with ``fields`` replaced, every field checked (one error lists every problem)."""
-        base = config if config is not None else cls()
-        data = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)} | fields
-        errors: list[str] = []
-        built = build_dataclass(cls, data, "", errors)
-        if errors:
-            raise FisherSelectError("invalid LoRA hint settings: " + "; ".join(errors))
-        return built
 
 
 # PEFT's LoraConfig fields a hint sets (everything else keeps PEFT's default).

@@ -21,7 +21,7 @@ import torch
 from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs import targets as tg
-from fisher_select.outputs.lora import DEFAULT_COVERAGE
+from fisher_select.outputs.settings import DEFAULT_COVERAGE, DEFAULT_RANKING
 from fisher_select.rundir import Run, load_run
 from fisher_select.stats.ranking import top_k_mask
 
@@ -72,7 +72,7 @@ def shira_config(
     layers_to_transform: list[int] | None = None,
     modules: list[str] | None = None,
     task_type: str | None = "CAUSAL_LM",
-    ranking: str = tg.DEFAULT_RANKING,
+    ranking: str = DEFAULT_RANKING,
 ) -> "peft.ShiraConfig":
     """``peft.ShiraConfig`` whose masks keep each target's top ``r * (m + n)`` coordinates.
 

@@ -5,7 +5,7 @@ excluded), named by their **full** module names. PEFT matches a ``target_modules
 full name or a ``.``-suffix of it, so a full name picks exactly one module; ``check_unambiguous``
 makes sure no other module of the run ends with ``.<target>``, so the match is one-to-one.
 
-Modules rank by one of two masses (``RANKINGS``), never confused: the **bound mass**, the sum of
+Modules rank by one of two masses (``settings.RANKINGS``), never confused: the **bound mass**, the sum of
 sqrt(F) over the module (the sum of its bounds up to sqrt(S)), which tracks how much training
 moves a module, and the **Fisher mass**, the sum of F, dominated by a few huge coordinates
 (docs/VALIDATION.md measures both). The default is the bound mass.
@@ -21,8 +21,6 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
 from fisher_select.rundir import ModuleEntry, Run
 
-RANKINGS = ("bound_mass", "fisher_mass")
-DEFAULT_RANKING = "bound_mass"
 # Input embeddings / output heads by name, only for reports that record neither the rules' roles
 # (``coverage["embeddings"]``, written by calibrate) nor come with the model.
 _EMBEDDING_NAME = re.compile(r"(^|\.)(lm_head|embed_out|wte|wpe|[^.]*embed[^.]*)$")

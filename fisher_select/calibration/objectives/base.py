@@ -13,8 +13,11 @@ configuration plus pure methods (reusable across calibrations):
 - optionally ``extra_rows(ctx)`` + ``extra_result(mean_score, fisher)``: rows the calibrator scores
   with its own scoring path (SFT from demonstrations), and what their mean score gives.
 
-A new objective is one file: a subclass, its Statistics (if it needs more than the scale terms),
-a config dataclass and a ``register_objective`` call.
+What an objective is in words (formulas, data needs, caveats) is its ``about``, an ``About`` from
+``configs``, beside its config dataclass: both without torch, so a recipe is read and explained
+without loading it. A new objective: a subclass, its Statistics (if it needs more than the scale
+terms), an ``About`` and a config dataclass whose ``about()`` returns it, and a
+``register_objective`` call.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import copy
 from dataclasses import dataclass, field, fields
 
 import torch
+
+from fisher_select.calibration.objectives.configs import About
 
 
 @dataclass
@@ -112,18 +117,22 @@ class Context:
     device: object = "cpu"
 
 
-class Objective:
-    """Base class. Subclasses set the descriptive fields and implement ``signals``."""
+def _about(name: str) -> property:
+    """An ``About`` field read through the objective (``o.kind``, ``o.token_level``)."""
+    return property(lambda self: getattr(self.about, name), doc=f"``about.{name}``")
 
-    kind = "objective"
-    signal_formula = ""
-    scale_formula = ""
-    data_needs = ""
-    caveats: tuple[str, ...] = ()
-    min_samples_per_prompt = 1
-    #: Token-level objectives fill ``GroupSignal.token_signal`` and are bounded with the
-    #: token-level Fisher.
-    token_level = False
+
+class Objective:
+    """Base class. Subclasses set ``about`` (what they are, in words) and implement ``signals``."""
+
+    about = About(kind="objective", signal_formula="", scale_formula="", data_needs="")
+    kind = _about("kind")
+    signal_formula = _about("signal_formula")
+    scale_formula = _about("scale_formula")
+    data_needs = _about("data_needs")
+    caveats = _about("caveats")
+    min_samples_per_prompt = _about("min_samples_per_prompt")
+    token_level = _about("token_level")
     sign_draws = 1
     statistics_type: type[Statistics] = Statistics
 
@@ -161,15 +170,7 @@ class Objective:
         return float(t.std(unbiased=True) / n**0.5)
 
     def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "type": self.kind,
-            "signal": self.signal_formula,
-            "scale": self.scale_formula,
-            "data": self.data_needs,
-            "caveats": list(self.caveats),
-            "token_level": self.token_level,
-        }
+        return self.about.describe(self.name)
 
     def summary(self, stats: Statistics) -> dict:
         """Report fields after calibration."""

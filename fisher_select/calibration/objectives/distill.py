@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fisher_select.calibration.objectives.registry import register_objective
-from fisher_select.fields import build_dataclass
+from fisher_select.calibration.objectives.configs import OPD_FULL, OPD_PG, OPDFullConfig, OPDPGConfig
 from fisher_select.errors import FisherSelectError
 from fisher_select.calibration.objectives.teacher_based import TeacherObjective
 from fisher_select.calibration.teachers import Teacher, TeacherConfig, token_tables
@@ -80,18 +79,8 @@ def _infinite_warnings(what: str, n: int) -> list[str]:
 class OPDPGObjective(TeacherObjective):
     """PG-style on-policy distillation: a = sigma - E[sigma|x], S = E_x Var_pi(sigma|x)."""
 
-    kind = "opd-pg"
+    about = OPD_PG
     statistics_type = PGStatistics
-    signal_formula = "sigma - mean_{j!=k} sigma_j,  sigma = log T(y|x) - log pi(y|x)  (leave-one-out)"
-    scale_formula = "E_x Var_pi(sigma|x)  (unbiased within-prompt variance, divisor K-1)"
-    data_needs = ("prompts and a teacher with the model's tokenizer: another model, or the model itself "
-                  "with privileged context (e.g. the reference answer from the prompt's fields)")
-    min_samples_per_prompt = 2
-    caveats = (
-        "S is estimated from K samples per prompt; sequence log-ratios are heavy-tailed, so few samples "
-        "give a noisy S.",
-        "A teacher that gives some sampled response probability 0 makes S infinite (no bound).",
-    )
 
     def signals(self, group: Group, ctx: Context) -> GroupSignal:
         log_t = self.sequence_logprobs(group, ctx)  # (K,) float64
@@ -114,20 +103,7 @@ class OPDPGObjective(TeacherObjective):
 class OPDFullObjective(TeacherObjective):
     """Full-vocabulary on-policy distillation: token signal A_t, token-level Fisher, exact per-state S."""
 
-    kind = "opd-full"
-    signal_formula = "A_t = log pi(y_t|s_t) - log T(y_t|s_t) - KL_t,  KL_t = KL(pi(.|s_t) || T(.|s_t))  (per token)"
-    scale_formula = ("S_tok = E_y sum_t Var_{v~pi(.|s_t)}(log pi(v|s_t) - log T(v|s_t))  (exact over the vocabulary; "
-                     "sampled-token estimate E_y sum_t A_t^2 also reported); bound uses the token-level Fisher F^tok")
-    data_needs = ("prompts and a teacher with the model's tokenizer and vocabulary size; both models' full "
-                  "next-token distributions at every visited state")
-    token_level = True
-    caveats = (
-        "The bound uses the token-level Fisher F^tok = E sum_t h_t^2 (Rademacher-sign estimate; its noise "
-        "falls with sign_draws). Under the model's own sampling its expectation equals the sequence Fisher F "
-        "(cross-token terms vanish), so the two estimates differ only by noise.",
-        "A teacher with probability 0 for a token the model can produce makes KL and S infinite (no bound).",
-    )
-
+    about = OPD_FULL
     statistics_type = FullStatistics
 
     def __init__(self, teacher: Teacher | TeacherConfig, sign_draws: int = 1, name: str | None = None):
@@ -186,49 +162,9 @@ def token_signal(lp_student: torch.Tensor, lp_teacher: torch.Tensor, response: t
     return a, var, kl
 
 
-TEACHER_HELP = 'the teacher, as keys: model ("self" or a model spec), system_prompt, user_template'
-
-
-@dataclass
-class OPDPGConfig:
-    """Recipe keys of an ``opd-pg`` objective."""
-
-    teacher: dict = field(metadata={"help": TEACHER_HELP})
-    name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})
-
-    def problems(self) -> list[str]:
-        return _teacher_problems(self.teacher)
-
-
-@dataclass
-class OPDFullConfig:
-    """Recipe keys of an ``opd-full`` objective."""
-
-    teacher: dict = field(metadata={"help": TEACHER_HELP})
-    sign_draws: int = field(default=1, metadata={
-        "help": "Rademacher sign draws per sample for the token-level Fisher (more: less noise, more backwards)"})
-    name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})
-
-    def problems(self) -> list[str]:
-        out = _teacher_problems(self.teacher)
-        if self.sign_draws < 1:
-            out.append(f"sign_draws: must be at least 1, got {self.sign_draws}")
-        return out
-
-
-def _teacher_problems(data: dict) -> list[str]:
-    errors: list[str] = []
-    cfg = build_dataclass(TeacherConfig, data, "teacher", errors)
-    return errors + [f"teacher: {p}" for p in (cfg.problems() if cfg else [])]
-
-
 def build_opd_pg(cfg: OPDPGConfig, base_dir=None) -> OPDPGObjective:
     return OPDPGObjective(TeacherConfig(**cfg.teacher), cfg.name)
 
 
 def build_opd_full(cfg: OPDFullConfig, base_dir=None) -> OPDFullObjective:
     return OPDFullObjective(TeacherConfig(**cfg.teacher), cfg.sign_draws, cfg.name)
-
-
-register_objective("opd-pg", OPDPGConfig, build_opd_pg)
-register_objective("opd-full", OPDFullConfig, build_opd_full)

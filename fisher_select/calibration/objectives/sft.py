@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-from fisher_select.calibration.objectives.registry import register_objective
-from fisher_select.fields import build_dataclass
+from fisher_select.calibration.objectives.configs import SFT, SFT_DEMONSTRATIONS, SFTConfig
 from fisher_select.errors import FisherSelectError
-from fisher_select.calibration.prompts import PromptRecord, load_prompts, render_prompt
+from fisher_select.calibration.prompts import PromptRecord, load_demonstrations, render_prompt
 from fisher_select.calibration.objectives.teacher_based import TeacherObjective
 from fisher_select.calibration.teachers import TeacherConfig
 from fisher_select.calibration.objectives.base import (Context, ExtraResult, Group, GroupSignal, Objective, ScoringRow,
@@ -60,18 +59,7 @@ class SFTStatistics(Statistics):
 class SFTObjective(TeacherObjective):
     """SFT toward a demonstrator with a density: a = w - 1, S = E[(w - 1)^2] = chi-square(nu || pi)."""
 
-    kind = "sft"
-    signal_formula = "w - 1,  w = nu(y|x) / pi(y|x)  (log w in fp64)"
-    scale_formula = "E_pi[(w - 1)^2] = chi-square(nu || pi)"
-    data_needs = ("prompts and a demonstrator density nu: another model with the same tokenizer, "
-                  "or the model itself under another context (system prompt, privileged fields)")
-    caveats = (
-        "S is an importance-weighted estimate: when a few samples carry most of the weight (small "
-        "effective sample size) it is unreliable and usually too small; see the weight diagnostics.",
-        "Where nu puts mass on responses the model almost never samples, chi-square is large and the "
-        "bound loose (or vacuous).",
-    )
-
+    about = SFT
     statistics_type = SFTStatistics
     role = "demonstrator"
 
@@ -148,18 +136,7 @@ def weight_diagnostics(log_ws: list[tuple[int, torch.Tensor]]) -> dict:
 class SFTDemonstrationsObjective(Objective):
     """SFT from demonstrations without a density: S unknown, gradient = the demonstrations' mean score."""
 
-    kind = "sft"
-    signal_formula = "w - 1 (not computable: no density for the demonstrations)"
-    scale_formula = "chi-square(nu || pi): unknown; reported: noisy lower bound max_i (E_nu h_i)^2 / F_i"
-    data_needs = ("prompts and a demonstrations JSONL file: one line per demonstration with the "
-                  "\"prompt\" (or \"messages\") of a prompts-file line and a \"response\" string")
-    caveats = (
-        "S is unknown: bounds are sqrt(F) (same ranking, no absolute scale); thresholds on |g| need S.",
-        "The chi-square lower bound is a max over all coordinates of noisy ratios: biased upwards by "
-        "noise, and only a lower bound even when exact.",
-        "F comes from the model's own samples: coordinates the demonstrations touch but the samples "
-        "rarely do (e.g. embedding rows of unusual tokens) get an underestimated F.",
-    )
+    about = SFT_DEMONSTRATIONS
 
     def __init__(self, demonstrations: str | Path, append_eos: bool = True, name: str | None = None):
         super().__init__(name)
@@ -234,18 +211,6 @@ def demonstration_summary(mean: dict[str, torch.Tensor], fisher: dict[str, torch
     }
 
 
-def load_demonstrations(path: Path) -> list[PromptRecord]:
-    """Demonstration lines: a prompt (``prompt`` or ``messages``) and a ``response`` string."""
-    if not Path(path).is_file():
-        raise FisherSelectError(
-            f"demonstrations file {path} does not exist; give a JSONL file of prompt + response lines")
-    demos = load_prompts(path)
-    for d in demos:
-        if not isinstance(d.fields.get("response"), str):
-            raise FisherSelectError(f"{path}:{d.index + 1}: needs a \"response\" string (the demonstrated answer)")
-    return demos
-
-
 def _prompt_key(record: PromptRecord) -> str:
     """What identifies a prompt: its conversation (a bare prompt is one user turn)."""
     messages = record.messages or [{"role": "user", "content": record.prompt}]
@@ -298,33 +263,6 @@ def _demo_warnings(bound: dict) -> list[str]:
     return out
 
 
-@dataclass
-class SFTConfig:
-    """Recipe keys of an ``sft`` objective: exactly one of ``demonstrator`` and ``demonstrations``."""
-
-    demonstrator: dict | None = field(default=None, metadata={
-        "help": 'a density nu, as teacher keys: model ("self" or a model spec), system_prompt, user_template'})
-    demonstrations: str | None = field(default=None, metadata={
-        "help": "JSONL file of prompt + response lines (no density), relative to the recipe"})
-    append_eos: bool = field(default=True, metadata={
-        "help": "end each demonstration with EOS, as a finished model sample does"})
-    name: str | None = field(default=None, metadata={"help": "name in reports (default: the type)"})
-
-    def resolve_paths(self, base_dir: Path) -> None:
-        """config.parse_recipe: a relative demonstrations file is relative to the recipe file."""
-        if self.demonstrations is not None and not Path(self.demonstrations).is_absolute():
-            self.demonstrations = str((Path(base_dir) / self.demonstrations).resolve())
-
-    def problems(self) -> list[str]:
-        if (self.demonstrator is None) == (self.demonstrations is None):
-            return ["give exactly one of 'demonstrator' (a density) and 'demonstrations' (a file)"]
-        if self.demonstrator is None:
-            return []
-        errors: list[str] = []
-        cfg = build_dataclass(TeacherConfig, self.demonstrator, "demonstrator", errors)
-        return errors + [f"demonstrator: {p}" for p in (cfg.problems() if cfg else [])]
-
-
 def build_sft(cfg: SFTConfig, base_dir=None) -> Objective:
     if cfg.demonstrator is not None:
         return SFTObjective(TeacherConfig(**cfg.demonstrator), cfg.name)
@@ -332,6 +270,3 @@ def build_sft(cfg: SFTConfig, base_dir=None) -> Objective:
     if base_dir is not None and not path.is_absolute():
         path = Path(base_dir) / path
     return SFTDemonstrationsObjective(path.resolve(), cfg.append_eos, cfg.name)
-
-
-register_objective("sft", SFTConfig, build_sft)
