@@ -10,13 +10,17 @@ parameter coordinate each, fp32 whatever the weights' dtype):
     (+ 4 for the split-half stability check, calibrate(stability=True), its default)
 
 ``accumulate_on=cpu`` moves them all to host memory (the device then holds weights and
-activations). Parameter counts come from transformers' ``LlamaConfig`` models built on the
+activations). ``--ranks N`` gives the memory of one rank of ``calibrate --shard fsdp`` over N
+GPUs: FSDP2 keeps 1/N of the weights and of every accumulator on each rank, plus the layers it
+has all-gathered at once (the current decoder layer and the prefetched next one, and the root's
+embedding, norm and head) and the activations of the rows that rank scores in one pass. Parameter counts come from transformers' ``LlamaConfig`` models built on the
 meta device (no download, no memory). Activations are an estimate (formula in
 ``activation_bytes``); the accumulator bytes of each mode are also measured on the embedded
 default with ``ScoreSums.nbytes()`` of real accumulators. Prints a Markdown table.
 
     python bench/memory_table.py                    # O = 1 objective, batch 8 x 512 tokens
     python bench/memory_table.py --objectives 3 --batch 16 --tokens 2048 --no-measure
+    python bench/memory_table.py --ranks 8 --no-measure   # per rank under --shard fsdp on 8 GPUs
 """
 
 from __future__ import annotations
@@ -49,11 +53,25 @@ def llama_config(name: str):
 
 def parameter_count(config) -> int:
     """Parameters of the model the config builds, on the meta device (shapes only, no memory)."""
+    return parameter_counts(config)[0]
+
+
+def parameter_counts(config) -> tuple[int, int, int]:
+    """(all, one decoder layer, the root: embedding + final norm + head) on the meta device."""
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    return sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    return total, layer, total - config.num_hidden_layers * layer
+
+
+def gathered_bytes(config) -> int:
+    """bf16 weights FSDP2 holds unsharded at once on a rank: two decoder layers (the one running and
+    the prefetched next) and the root (embedding, norm, head), which stays gathered after sampling."""
+    _, layer, root = parameter_counts(config)
+    return (2 * layer + root) * WEIGHT_BYTES
 
 
 def activation_bytes(config, batch: int, tokens: int) -> int:
@@ -92,19 +110,27 @@ def fits(total: float) -> str:
     return " / ".join("yes" if total <= cap else "no" for cap in GPUS.values())
 
 
-def table(objectives: int, batch: int, tokens: int, stability: bool) -> list[str]:
-    head = (f"| model | params | weights (bf16) | activations ({batch} x {tokens}, est.) | mode | "
-            f"accumulators (B/param) | on the GPU | fits {' / '.join(GPUS)} |")
+def table(objectives: int, batch: int, tokens: int, stability: bool, ranks: int = 1) -> list[str]:
+    """One row per model and memory mode; with ``ranks`` > 1, one FSDP2 rank's share (no CPU mode:
+    ``--shard fsdp`` refuses ``accumulate_on=cpu``, each rank already keeps only its rows)."""
+    held = "weights (bf16)" if ranks == 1 else f"weights per rank (1/{ranks} + gathered layers)"
+    head = (f"| model | params | {held} | activations ({batch} x {tokens}, est.) | mode | "
+            f"accumulators (B/param{'' if ranks == 1 else f', 1/{ranks} per rank'}) | on the GPU | "
+            f"fits {' / '.join(GPUS)} |")
     lines = [head, "|" + "---|" * 8]
     for name in LLAMAS:
         config = llama_config(name)
         n = parameter_count(config)
         weights, act = n * WEIGHT_BYTES, activation_bytes(config, batch, tokens)
+        if ranks > 1:
+            weights = weights / ranks + gathered_bytes(config)
         rows = [(m, accumulator_bytes(m, objectives, stability), False) for m in MODES]
-        rows.append(("fisher, accumulate_on=cpu", accumulator_bytes("fisher", objectives, stability), True))
+        if ranks == 1:
+            rows.append(("fisher, accumulate_on=cpu", accumulator_bytes("fisher", objectives, stability), True))
         for mode, per, on_cpu in rows:
-            device = weights + act + (0 if on_cpu else n * per)
-            where = f"{per} (host: {n * per / GB:.0f} GB)" if on_cpu else f"{per} ({n * per / GB:.0f} GB)"
+            kept = n * per / ranks
+            device = weights + act + (0 if on_cpu else kept)
+            where = f"{per} (host: {n * per / GB:.0f} GB)" if on_cpu else f"{per} ({kept / GB:.0f} GB)"
             lines.append(f"| {name} | {n / 1e9:.2f} B | {weights / GB:.1f} GB | {act / GB:.1f} GB | {mode} | "
                          f"{where} | {device / GB:.0f} GB | {fits(device)} |")
     return lines
@@ -117,12 +143,13 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=512, help="prompt + response tokens per row")
     ap.add_argument("--no-stability", action="store_true", help="calibrate(stability=False): 4 B/param less")
     ap.add_argument("--no-measure", action="store_true", help="skip the embedded default's measured bytes")
+    ap.add_argument("--ranks", type=int, default=1, help="one rank's share under calibrate --shard fsdp over N GPUs")
     args = ap.parse_args(argv)
     stability = not args.no_stability
     print(f"Bytes per parameter: weights bf16 {WEIGHT_BYTES}; fp32 accumulators with O = {args.objectives} "
           f"objective(s){' and the stability half (+4)' if stability else ''}: "
           + ", ".join(f"{m} {accumulator_bytes(m, args.objectives, stability)}" for m in MODES) + ".\n")
-    print("\n".join(table(args.objectives, args.batch, args.tokens, stability)))
+    print("\n".join(table(args.objectives, args.batch, args.tokens, stability, args.ranks)))
     print("\nGPU sizes as sold (decimal GB); real cards hold a few % more, minus ~1 GB of CUDA context.")
     if not args.no_measure:
         print(f"\nMeasured on the embedded default (SmolLM2-135M-Instruct), ScoreSums.nbytes(), O = {args.objectives}, "
