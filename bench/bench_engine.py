@@ -246,7 +246,10 @@ class Loop(_SquaresPeer):
             rows = slice(n, n + 1)
             grads = torch.autograd.grad(response_logprobs(self.model, b.ids[rows], b.mask[rows], b.resp[rows]).sum(), params)
             for (name, _), g in zip(self.params, grads):
-                self.acc[name].addcmul_(g, g)
+                self.add(name, g, n)
+
+    def add(self, name: str, g: torch.Tensor, row: int) -> None:
+        self.acc[name].addcmul_(g, g)
 
 
 class LoopSums(Loop):
@@ -260,17 +263,10 @@ class LoopSums(Loop):
     def state_bytes(self):
         return 3 * super().state_bytes()
 
-    def step(self):
-        b = self.batch
-        params = [p.requires_grad_(True) for _, p in self.params]
-        for n in range(b.size):
-            rows = slice(n, n + 1)
-            grads = torch.autograd.grad(response_logprobs(self.model, b.ids[rows], b.mask[rows], b.resp[rows]).sum(), params)
-            a = float(b.signal[n])
-            for (name, _), g in zip(self.params, grads):
-                self.acc[name].addcmul_(g, g)
-                self.signal[name].add_(g, alpha=a)
-                self.total[name].add_(g)
+    def add(self, name: str, g: torch.Tensor, row: int) -> None:
+        self.acc[name].addcmul_(g, g)
+        self.signal[name].add_(g, alpha=float(self.batch.signal[row]))
+        self.total[name].add_(g)
 
 
 class OpacusPeer(_SquaresPeer):

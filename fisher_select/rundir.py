@@ -97,6 +97,20 @@ def validation_dir(run_path: "str | os.PathLike", optimizer: str, seed: int) -> 
     return Path(run_path) / VALIDATION_DIR.format(optimizer=optimizer, seed=seed)
 
 
+def read_json_files(run_dir, pattern: str, remedy: str) -> list[tuple[str, dict]]:
+    """(folder name, parsed JSON) of every file matching ``pattern`` in ``run_dir`` (None: []);
+    an unreadable one is named, with ``remedy`` (what to do)."""
+    if run_dir is None:
+        return []
+    out = []
+    for path in sorted(Path(run_dir).glob(pattern)):
+        try:
+            out.append((path.parent.name, json.loads(path.read_text())))
+        except (OSError, ValueError) as err:
+            raise FisherSelectError(f"{path} is unreadable ({err}); {remedy}") from None
+    return out
+
+
 def outcomes_dir(run_path: "str | os.PathLike", kind: str) -> Path:
     """Where the outcome study of one training kind is kept: inside the run directory."""
     return Path(run_path) / OUTCOMES_DIR.format(kind=kind)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 import statistics
 from pathlib import Path
 
-from fisher_select.errors import FisherSelectError
-from fisher_select.rundir import OUTCOMES_GLOB, OUTCOMES_PLOT
+from fisher_select.rundir import OUTCOMES_GLOB, OUTCOMES_PLOT, read_json_files
 
 # The fisher_select choice each peer is held against: masks at the same density, LoRA and SHiRA
 # at the same trainable count.
@@ -25,15 +23,7 @@ OURS = {"mask": "bound", "lora": "lora_config", "shira": "shira_fisher"}
 
 def load_outcomes(run_dir) -> list[tuple[str, dict]]:
     """(directory name, outcomes.json) of every outcome study inside ``run_dir`` (none: [])."""
-    if run_dir is None:
-        return []
-    out = []
-    for path in sorted(Path(run_dir).glob(OUTCOMES_GLOB)):
-        try:
-            out.append((path.parent.name, json.loads(path.read_text())))
-        except (OSError, ValueError) as err:
-            raise FisherSelectError(f"{path} is unreadable ({err}); delete it or rerun bench/outcomes.py") from None
-    return out
+    return read_json_files(run_dir, OUTCOMES_GLOB, "delete it or rerun bench/outcomes.py")
 
 
 def _fmt(x) -> str:

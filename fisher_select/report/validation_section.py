@@ -8,11 +8,9 @@ validation and say plainly where the ranking did not predict realized movement.
 from __future__ import annotations
 
 import html
-import json
-from pathlib import Path
 
-from fisher_select.errors import FisherSelectError
-from fisher_select.rundir import VALIDATION_GLOB
+from fisher_select.rundir import VALIDATION_GLOB, read_json_files
+
 NO_PREDICTION = 0.6  # an AUROC below this: the ranking says (almost) nothing about which coordinates moved
 BASELINES = (("random", "random"), ("magnitude", "abs(theta)"), ("single_batch_gradient", "1-batch abs(grad)"),
              ("second_seed", "other seed"), ("spectrum_snr", "Spectrum SNR"), ("kappa", "KappaTune"))
@@ -23,15 +21,7 @@ HEADER = (["validation", "training", "F AUROC"] + [label for _, label in BASELIN
 
 def load_validations(run_dir) -> list[tuple[str, dict]]:
     """(directory name, validation.json) of every validation inside ``run_dir`` (none: [])."""
-    if run_dir is None:
-        return []
-    out = []
-    for path in sorted(Path(run_dir).glob(VALIDATION_GLOB)):
-        try:
-            out.append((path.parent.name, json.loads(path.read_text())))
-        except (OSError, ValueError) as err:
-            raise FisherSelectError(f"{path} is unreadable ({err}); delete it or rerun validate with --overwrite") from None
-    return out
+    return read_json_files(run_dir, VALIDATION_GLOB, "delete it or rerun validate with --overwrite")
 
 
 def _num(x, digits: int = 2) -> str:
