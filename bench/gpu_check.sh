@@ -3,7 +3,8 @@
 #   0. install from the working tree (scripts/setup.sh: the CUDA build of torch)
 #   1. the engine table (bench/bench_engine.py) in bfloat16 and float32 at batch 8 and 16 on cuda,
 #      modes floor, scoring, budget (token-budget micro-batches), compiled, loop
-#   2. the token-budget length sweep (32..512 response tokens, batch 8), with the acceptance line
+#   2. the token-budget length sweep (32..512 response tokens, batch 8; the loop squares-only and
+#      with the same sums), with the acceptance line
 #   3. a 64-sample calibration of the embedded default (rl-arithmetic, 8 prompts x 8), wall time
 #   4. score_sums on cuda against cpu on the same batch: max relative error of every sum
 # Writes six flat files under $OUT (default ./gpu-check): summary.txt (the tables and lines),
@@ -74,7 +75,7 @@ done
 
 # 2. the token-budget length sweep (batch 8 on the GPU)
 run timeout 240 "$PY" bench/bench_engine.py --model "$MODEL" --device "$DEVICE" --dtype float32 --sweep length \
-  --batch "${BATCHES%% *}" --rounds "$ROUNDS" --modes floor,scoring,budget,loop $SWEEP --json "$OUT/sweep-length.json"
+  --batch "${BATCHES%% *}" --rounds "$ROUNDS" --modes floor,scoring,budget,loop,loop_sums $SWEEP --json "$OUT/sweep-length.json"
 
 # 3. a 64-sample calibration, timed
 if [ "$SMOKE" = 1 ]; then
