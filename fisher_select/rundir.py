@@ -366,6 +366,16 @@ class Run(BoundsView):
     def describe_source(self) -> str:
         return f"run {self.run_id}"
 
+    def grad_estimate_of(self, objective: str | None = None) -> dict[str, torch.Tensor]:
+        """The objective's Monte-Carlo gradient estimate g_hat, read from the run directory."""
+        entry = self.objective(objective)
+        path = self.path / entry.grad_file if self.path is not None and entry.grad_file else None
+        if path is None or not path.is_file():
+            raise FisherSelectError(f"{self.describe_source()} keeps no gradient estimate for objective {entry.name!r} "
+                                    f"({path or 'no run directory'}); rank by the bound, or recalibrate with the "
+                                    "default accumulators (not --accumulators fisher)")
+        return read_tensors(path)
+
     def provenance(self, caveat: str) -> dict:
         """What every output made from this run records: run id, model, caveats."""
         return {"run_id": self.run_id,

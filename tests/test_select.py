@@ -392,3 +392,32 @@ def test_the_cli_prints_the_oversized_selection_warning(tmp_path, capsys):
     run_dir = write_run_dir(make_run(continuous_fisher()), tmp_path / "run")
     assert run_command(["select", str(run_dir), "--threshold", "1e-9", "--out", str(tmp_path / "m.safetensors")]) == 0
     assert "warning: the selection holds" in capsys.readouterr().out
+
+
+def test_top_by_the_gradient_estimate_equals_brute_force_ranking_of_abs_g_hat(tmp_path):
+    """--score grad_estimate: the top coordinates by |g_hat| of the objective (read from the run
+    directory), exactly k, ties in canonical order; the CLI writes the same masks."""
+    run = make_run(continuous_fisher())
+    run_dir = write_run_dir(run, tmp_path / "run")
+    g = torch.Generator().manual_seed(3)
+    grad = {n: torch.randn(f.shape, generator=g) for n, f in run.fisher.items()}
+    save_tensors(run_dir / "grad_estimate.safetensors", grad)
+    got = select_masks(run_dir, top=0.2, score="grad_estimate")
+    a = concat(grad).abs()
+    k = top_count(0.2, a.numel())
+    assert got.selected == k and got.meta["rule"]["score"] == "grad_estimate"
+    assert_masks_equal(got.masks, split(first_k_by_value(a, k), grad))
+    assert not torch.equal(concat(got.masks), concat(select_masks(run_dir, top=0.2).masks))  # not F's order
+    out = tmp_path / "g.safetensors"
+    assert run_command(["select", str(run_dir), "--top", "0.2", "--score", "grad_estimate", "--out", str(out)]) == 0
+    assert_masks_equal(load_masks(out)[0], got.masks)
+
+
+def test_the_gradient_estimate_score_refuses_what_it_cannot_do(tmp_path):
+    run_dir = write_run_dir(make_run(tied_fisher()), tmp_path / "run")
+    with pytest.raises(FisherSelectError, match="keeps no gradient estimate for objective 'rl'"):
+        select_masks(run_dir, top=0.1, score="grad_estimate")
+    with pytest.raises(FisherSelectError, match="--top only; drop --fisher-mass"):
+        select_masks(run_dir, fisher_mass=0.5, score="grad_estimate")
+    with pytest.raises(FisherSelectError, match="unknown score 'abs'"):
+        select_masks(run_dir, top=0.1, score="abs")

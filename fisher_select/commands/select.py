@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from fisher_select.caveats import MASK_CAVEAT
+from fisher_select.outputs.settings import SCORES
 
 SUMMARY_MODULES = 15  # modules the summary lists without --all
 
@@ -34,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--structured", choices=STRUCTURES,
                    help="select whole rows/columns of 2-D weights (other parameters: coordinates)")
     p.add_argument("--objective", metavar="NAME", help="objective whose S sets the bound (default: primary)")
+    p.add_argument("--score", choices=SCORES, default=SCORES[0],
+                   help="what --top ranks by: the bound sqrt(F S) (default) or |g_hat|, the calibration's own "
+                        "gradient estimate (docs/OUTCOMES.md: it did slightly better at 1%% under AdamW for SFT)")
     p.add_argument("--out", required=True, metavar="FILE", help="mask file to write (.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing mask file")
     p.add_argument("--all", dest="all_modules", action="store_true",
@@ -61,6 +65,7 @@ def run_select(args: argparse.Namespace) -> int:
         per_module=args.per_module,
         structured=args.structured,
         objective=args.objective,
+        score=args.score,
     )
     path = save_masks(maskset, out, overwrite=args.overwrite)
     _print_counts(maskset.meta, None if args.all_modules else SUMMARY_MODULES)

@@ -15,12 +15,11 @@ from torch import nn
 
 from fisher_select.engine.scoring import ScoreSums, score_sums
 
-# Activation bytes one micro-batch may hold when ``max_tokens`` is "auto" (None). CPU: the 135M
-# default keeps ~2 MB per token in fp32; on a 2-core CPU one row at a time beat whole batches of 5
-# rows from ~190 tokens per row on (bench/results/sweep-length-budget.txt), so the CPU budget
-# is about 500 tokens: several short rows per pass, one long row. GPUs have room and bandwidth.
+# Activation bytes one micro-batch may hold when ``max_tokens`` is "auto" (None). CPU: the
+# 135M default measured ~2 MB per token in fp32 and stopped gaining from wider batches beyond
+# ~1-1.5k tokens (bench/results/sweep-length.txt); GPUs have room and bandwidth for more.
 ACTIVATION_BYTES = {"cuda": 16 << 30}
-DEFAULT_ACTIVATION_BYTES = 1 << 30
+DEFAULT_ACTIVATION_BYTES = 2 << 30
 
 
 def bytes_per_token(model: nn.Module) -> int:

@@ -66,6 +66,7 @@ from transformers import TrainerCallback
 from fisher_select.atomic import refuse_existing, write_file
 from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
+from fisher_select.outputs.settings import SCORES
 from fisher_select.models import check_fingerprint
 from fisher_select.rundir import MASK_FORMAT, Run, load_run, save_tensors, sidecar_path
 from fisher_select.stats.naming import module_of
@@ -110,15 +111,18 @@ def select_masks(
     per_module: bool = False,
     structured: str | None = None,
     objective: str | None = None,
+    score: str = "bound",
 ) -> MaskSet:
     """Select coordinates of ``run`` by exactly one of ``top``, ``fisher_mass``, ``bound_mass``, ``threshold``.
 
-    See the module docstring for the rules, tie-breaking and ``structured`` units. Raises
+    ``score="grad_estimate"`` ranks ``top`` by the objective's |g_hat| instead of the bound (see
+    ``SCORES``). See the module docstring for the rules, tie-breaking and ``structured`` units. Raises
     ``FisherSelectError`` for a missing/duplicate rule, a value out of range, a threshold
     without a known signal scale, or non-finite Fisher values.
     """
     run = load_run(run)
     rule, value = _check_rule(top, fisher_mass, bound_mass, threshold)
+    _check_score(score, rule, structured)
     if structured not in (None, *STRUCTURES):
         raise FisherSelectError(
             f"unknown structure {structured!r}; pass structured='rows' or 'columns' (or none)"
@@ -134,12 +138,22 @@ def select_masks(
             "know; use --top, --fisher-mass or --bound-mass (they only need the ranking), or calibrate with a known S"
         )
     warnings = _degenerate_scale(run, rule, scale, objective)
-    units = _unit_values(run, rule, structured, scale, objective)
+    units = (_unit_values(run, rule, structured, scale, objective) if score == "bound"
+             else {name: g.detach().float().abs().reshape(-1) for name, g in run.grad_estimate_of(objective).items()})
     chosen = _choose_units(units, rule, value, per_module)
     masks = {name: _expand(chosen[name], run.fisher[name], structured) for name in units}
     meta = _meta(run, masks, rule, value, per_module, structured, objective, scale)
+    meta["rule"]["score"] = score
     meta["warnings"] = warnings + _oversized(meta, units, rule, scale)
     return MaskSet(masks=masks, meta=meta)
+
+
+def _check_score(score: str, rule: str, structured: str | None) -> None:
+    if score not in SCORES:
+        raise FisherSelectError(f"unknown score {score!r}; pass one of {', '.join(SCORES)}")
+    if score != "bound" and (rule != "top" or structured is not None):
+        raise FisherSelectError(f"--score {score} ranks single coordinates for --top only; drop --{_flag(rule)}"
+                                f"{' and --structured' if structured else ''}, or use --score bound")
 
 
 OVERSIZED = 0.5  # a selection above this share of the model is no longer "the few parameters that matter"

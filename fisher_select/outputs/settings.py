@@ -16,6 +16,11 @@ from fisher_select.fields import build_dataclass
 RANKINGS = ("bound_mass", "fisher_mass")
 DEFAULT_RANKING = "bound_mass"
 DEFAULT_COVERAGE = 0.9
+# What a mask's --top ranks coordinates by (outputs.masks). "bound": sqrt(F S), the default.
+# "grad_estimate": |g_hat|, the calibration's own Monte-Carlo gradient of the objective; in the SFT
+# outcome study at 1% density under AdamW it recovered slightly more of full fine-tuning's gain than
+# the bound, which won at 0.01% and 0.1% (docs/OUTCOMES.md). It ranks single coordinates: --top only.
+SCORES = ("bound", "grad_estimate")
 
 
 @dataclass
