@@ -35,7 +35,10 @@ except (Terminated, KeyboardInterrupt) as exc:
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_while_writing_leaves_nothing_behind(tmp_path, sig, code):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(out)], cwd=Path(__file__).resolve().parent.parent)
+    # As from a terminal: a job started in the background of a non-interactive shell inherits SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt; restore the default for the writer.
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(out)], cwd=Path(__file__).resolve().parent.parent,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not (tmp_path / "started").exists():
         assert proc.poll() is None and time.time() < deadline, "writer did not start"

@@ -295,7 +295,7 @@ def test_save_load_round_trip(tmp_path):
     assert side == meta
     assert meta["run_id"] == "run-test" and meta["model"]["fingerprint"] == {"id": "synthetic"}
     assert meta["rule"] == {"name": "top", "value": 0.2, "per_module": False, "structured": "rows",
-                            "objective": "rl", "signal_scale": SCALE}
+                            "objective": "rl", "signal_scale": SCALE, "score": "bound"}
     assert meta["caveat"] == CAVEAT and meta["run_caveats"] == ["the bound covers one step"]
     assert meta["selected"] == sum(int(m.sum()) for m in masks.values())
     by_module = {m["name"]: m for m in meta["modules"]}
