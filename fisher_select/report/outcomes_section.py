@@ -35,21 +35,34 @@ def _spread(m: dict) -> str:
     return f"{_fmt(min(known))}..{_fmt(max(known))}" if known else "n/a"
 
 
-def outcome_table(report: dict) -> list[str]:
-    """Markdown: each method's budget, lr and held-out share of full fine-tuning's gain (mean, min..max)."""
+HEADER = ("method", "kind", "density", "trainable", "lr chosen", "recovered (mean)", "min..max over seeds")
+
+
+def _headline(report: dict) -> str:
     full = report["full"]
-    lines = [f"**{report['kind']}**: {report['task']['metric']}; held-out before {full['held_out_before']:.4f}, "
-             f"full fine-tuning after {statistics.fmean(full['held_out_after']):.4f} "
-             f"(lr {full['lr_chosen']:.3g}, gain z over seeds = {_fmt(full['improvement_z'])})", "",
-             "| method | kind | density | trainable | lr chosen | recovered (mean) | min..max over seeds |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    return (f"{report['kind']}: {report['task']['metric']}; held-out before {full['held_out_before']:.4f}, "
+            f"full fine-tuning after {statistics.fmean(full['held_out_after']):.4f} "
+            f"(lr {full['lr_chosen']:.3g}, gain z over seeds = {_fmt(full['improvement_z'])})")
+
+
+def _rows(report: dict) -> list[list[str]]:
+    """One row per method, in HEADER's columns."""
+    rows = []
     for key, m in report["methods"].items():
         if "unavailable" in m:
-            lines.append(f"| {key} | {m['kind']} | | | | unavailable | {m['unavailable']} |")
+            rows.append([key, m["kind"], "", "", "", "unavailable", m["unavailable"]])
             continue
-        lines.append(f"| {key} | {m['kind']} | {m['density']:.2e} | {m['trainable']:,} | {m['lr_chosen']:.3g} | "
-                     f"{_fmt(m['recovered_mean'])} | {_spread(m)} |")
-    return lines
+        rows.append([key, m["kind"], f"{m['density']:.2e}", f"{m['trainable']:,}", f"{m['lr_chosen']:.3g}",
+                     _fmt(m["recovered_mean"]), _spread(m)])
+    return rows
+
+
+def outcome_table(report: dict) -> list[str]:
+    """Markdown: each method's budget, lr and held-out share of full fine-tuning's gain (mean, min..max)."""
+    kind = report["kind"]
+    lines = [_headline(report).replace(kind, f"**{kind}**", 1), "", "| " + " | ".join(HEADER) + " |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in _rows(report)]
 
 
 def _peers(methods: dict) -> list[tuple[str, str, dict, dict]]:
@@ -114,12 +127,10 @@ def html_section(outcomes: list[tuple[str, dict]], run_dir=None) -> str:
     e = html.escape
     parts = ["<h2>Outcomes at matched budgets</h2>"]
     for name, report in outcomes:
-        rows = [r for r in outcome_table(report) if r.startswith("| ") and not r.startswith("| method")]
-        cells = ["".join(f"<td>{e(c.strip())}</td>" for c in r.strip("|").split(" | ")) for r in rows]
-        head = "".join(f"<th>{h}</th>" for h in ("method", "kind", "density", "trainable", "lr chosen",
-                                                 "recovered (mean)", "min..max over seeds"))
+        cells = ["".join(f"<td>{e(c)}</td>" for c in r) for r in _rows(report)]
+        head = "".join(f"<th>{e(h)}</th>" for h in HEADER)
         notes = findings(report) or ["No peer matched fisher_select's choice."]
-        parts.append(f"<h3>{e(name)}</h3><p>{e(_intro(report))}</p><p>{e(outcome_table(report)[0].replace('**', ''))}</p>"
+        parts.append(f"<h3>{e(name)}</h3><p>{e(_intro(report))}</p><p>{e(_headline(report))}</p>"
                      f"<table><tr>{head}</tr>{''.join(f'<tr>{c}</tr>' for c in cells)}</table>"
                      f"<ul>{''.join(f'<li>{e(n)}</li>' for n in notes)}</ul>{_image(run_dir, name)}")
     return "".join(parts)

@@ -41,7 +41,7 @@ from fisher_select.outputs.lora import lora_hints, trainable_lora_parameters
 from fisher_select.outputs.shira import shira_config
 from fisher_select.run_report import regenerate
 from fisher_select.rundir import (OUTCOMES_FILE, OUTCOMES_PLOT, Run, load_run, load_run_report, outcomes_dir,
-                                  read_tensors, write_json)
+                                  write_json)
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
 from fisher_select.training import baselines, plots
@@ -298,12 +298,11 @@ class _Study:
         return self._top("grad_estimate", density, {n: g.abs() for n, g in grad.items()})
 
     def _grad_estimate(self):
-        if self.grad_estimate is None and self.run.path is not None:
-            path = self.run.path / self.run.objectives[0].grad_file
-            if path.is_file():
-                self.grad_estimate = read_tensors(path)
         if self.grad_estimate is None:
-            return None, "the run has no gradient estimate (grad_estimate.safetensors) to rank by |g_hat|"
+            try:
+                self.grad_estimate = self.run.grad_estimate_of(None)
+            except FisherSelectError as err:  # recorded as the method's reason, never fatal
+                return None, str(err)
         return self.grad_estimate, ""
 
     def _mask_single_batch_grad(self, density: float) -> Method:
