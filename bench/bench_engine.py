@@ -1,8 +1,10 @@
 """The scoring pass beside the floor and its peers, measured as a calibration runs it.
 
 One process, one model, one batch. Every mode is warmed up first (its running sums exist, the
-allocator has seen its sizes), then the modes run interleaved, A B C A B C ..., so machine load
-and allocator state hit them alike; times are medians over rounds. Every mode accumulates into
+allocator has seen its sizes), then the modes run interleaved and rotated, A B C, B C A, C A B,
+..., so machine load and allocator state hit them alike and no mode always runs right after the
+same one (the step after the floor's large batch re-faults the memory it freed); times are
+medians over rounds. Every mode accumulates into
 running sums, as ``calibrate`` does (the floor into ``.grad``, the scoring pass with ``into=``).
 
 Modes (``--modes``): ``floor`` plain forward+backward of the summed response log-probability
@@ -43,6 +45,7 @@ import inspect
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -532,8 +535,11 @@ def run_table(model, batch: Batch, args, modes) -> dict[str, Result]:
         if reference is not None and mine is not None and name != "scoring":
             # after warm-up every running sum holds ``warmup`` batches: compare like with like
             results[name].check = relative_error(mine, reference)
-    for _ in range(args.rounds):
-        _round(live, results, lambda mode: timed_step(mode, args.device), results_field="times")
+    if live and args.rounds % len(live):
+        print(f"note: {args.rounds} rounds of {len(live)} modes: with a multiple of {len(live)}, each mode runs "
+              "right after each other one equally often", file=sys.stderr)
+    for r in range(args.rounds):
+        _round(live, results, lambda mode: timed_step(mode, args.device), results_field="times", start=r)
     # Memory in its own round: trimming and sampling would otherwise perturb the times.
     _round(live, results, lambda mode: measured_step(mode, args.device), results_field="transient")
     for name, mode in live.items():
@@ -548,9 +554,12 @@ def _per_sample_gb(name: str, model, batch: Batch, args) -> float:
     return samples * sum(p.numel() for p in model.parameters()) * 4 / 2**30
 
 
-def _round(live: dict, results: dict, measure, results_field: str | None) -> None:
-    """One step of every live mode in turn; a mode that fails is reported and dropped."""
-    for name in list(live):
+def _round(live: dict, results: dict, measure, results_field: str | None, start: int = 0) -> None:
+    """One step of every live mode in turn, from the ``start``-th (rounds rotate the order, so no mode
+    always follows the same one: the step after a large one pays for re-faulting its freed memory);
+    a mode that fails is reported and dropped."""
+    order = list(live)
+    for name in order[start % len(order):] + order[: start % len(order)] if order else []:
         try:
             value = measure(live[name])
         except Exception as exc:
@@ -608,7 +617,8 @@ def print_table(table: dict) -> None:
         note = row["note"] + (f"; failed later: {row['error']}" if row["error"] else "")
         pr = row.get("paired_ratios") or []
         paired = f"{statistics.median(pr):.2f}x ({min(pr):.2f}..{max(pr):.2f})" if pr else "-"
-        print(f"| {row['label']} | {row['median_s']:.2f} | {row['vs_floor']:.2f}x | {paired} | {row['state_mib']:.0f} "
+        vs_floor = "-" if row["vs_floor"] is None else f"{row['vs_floor']:.2f}x"  # no floor among the modes
+        print(f"| {row['label']} | {row['median_s']:.2f} | {vs_floor} | {paired} | {row['state_mib']:.0f} "
               f"| {row['transient_mib']:.0f} | {check} | {note} |")
     verdict = acceptance(table)
     if verdict:

@@ -186,3 +186,26 @@ def test_bf16_model_keeps_fp32_accumulators_through_many_batches():
     ref = brute_force_sums(model.float(), ids, attn, resp, signal)
     for n, sq in once.squares.items():
         assert rel(sq, ref[0][n]) < 0.05, n
+
+
+@pytest.mark.parametrize("where", [None, "cpu"])
+def test_one_sample_per_pass_adds_in_place_like_the_reference(where):
+    """Batches of one row: every dense piece holds one sample (the in-place adds of ``_Sums._add_one``),
+    with two objectives' signal sums, on the accumulators' own device and on the copy path."""
+    from fisher_select.engine.reference import per_sample_scores
+
+    model = tiny_model("llama-tied")
+    ids, attn, resp, signal = random_batch(batch=3)
+    signals = torch.stack([signal, 1.0 - 2.0 * signal])  # (2, B)
+    run = None
+    for n in range(3):
+        row = slice(n, n + 1)
+        run = score_sums(model, ids[row], attn[row], resp[row], signals[:, row], into=run, accumulate_on=where,
+                         block=256)
+    scores = per_sample_scores(model, ids, attn, resp)  # float64, one backward per sample
+    for name in scores[0]:
+        h = torch.stack([s[name] for s in scores])  # (B, *shape)
+        assert rel(run.squares[name], (h**2).sum(0)) < TOL, name
+        assert rel(run.total[name], h.sum(0)) < TOL, name
+        want = torch.einsum("ob,b...->o...", signals.double(), h.double())  # (2, *shape)
+        assert rel(run.signal[name], want) < TOL, name

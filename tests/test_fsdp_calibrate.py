@@ -1,9 +1,12 @@
-"""``shard="fsdp"``: gloo ranks calibrate a tiny Llama wrapped with FSDP2 exactly as one process does.
+"""``shard="fsdp"``: gloo ranks calibrate a tiny Llama wrapped with FSDP2 exactly as data-parallel ranks do.
 
-Every rank samples every prompt in step (same samples, signals, S and split-half bookkeeping as
-one process); the ranks split the scoring rows and rank 0 gathers F, g and the score sums, for
-the run and for each checkpoint (written in the one-process format, so a run interrupted under
-FSDP resumes under FSDP or in one process, and the other way round).
+Each rank samples its own share of the prompts with its own seed stream (the data-parallel
+shards and streams), its forwards in lockstep with the other ranks' (a rank with shorter
+responses, fewer prompts or fewer batches makes one-token forwards meanwhile); the ranks score
+their own rows into their rows of the sums, and rank 0 gathers F, g, the score sums and every
+rank's samples and statistics, for the run and for each checkpoint. The reference is the same
+calibration run data-parallel on the same ranks (itself checked against the hand-combined
+one-process result in tests/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -29,19 +32,20 @@ from tests.tiny import TinyTokenizer, free_port, tiny_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
-PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 9", "3 3", "7 4 4 5", "2 2", "30 8"])]
+# 7 prompts: 2 ranks hold 4 and 3, 4 ranks 2, 2, 2 and 1 (uneven shards and batch counts at batch_size 3)
+PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 9", "3 3", "7 4 4 5", "2 2", "30 8", "5"])]
 # Checkpoint key of the model: a sharded model has no full weights to fingerprint (the CLI fingerprints first)
 MODEL_ID = "tiny-llama-tied"
 
 
 def reward(record, text):
-    return float(len(text.split()) % 2)
+    return float(len(text) % 2)  # varies within a prompt's responses: S > 0, g not zero
 
 
 def _calibrate(model, **kw):
-    kw = {"stability": False, **kw}  # 6 prompts, 3 batches of 2 prompts x 3 responses
+    kw = {"stability": False, "batch_size": 6, **kw}  # 3 responses per prompt: 2 prompts per batch at batch_size 6
     return calibrate(model, TinyTokenizer(64), PROMPTS, RLObjective(reward), samples_per_prompt=3, max_new_tokens=4,
-                     seed=7, batch_size=6, progress=False, **kw)
+                     seed=7, progress=False, **kw)
 
 
 def _summary(cal):
@@ -53,17 +57,21 @@ def _summary(cal):
     return out
 
 
-def _assert_same(got, want):
-    assert got["samples"] == want["samples"] and got["count"] == want["count"]
-    assert got["scale"] == want["scale"]
+def _assert_same(got, want, units: bool = True):
+    assert got["count"] == want["count"] and len(got["samples"]) == len(want["samples"])
+    for a, b in zip(got["samples"], want["samples"]):  # the same tokens; an FSDP2 layer's all-gathered weight
+        assert {**a, "logprob": 0} == {**b, "logprob": 0}  # may take another fp32 GEMM path than the plain one's
+        assert a["logprob"] == pytest.approx(b["logprob"], rel=1e-6)
+    assert got["scale"] == pytest.approx(want["scale"], rel=1e-12)
     for kind in ("fisher", "score_mean", "grad"):
         assert set(got[kind]) == set(want[kind])
         for name, w in want[kind].items():
             torch.testing.assert_close(got[kind][name], w, rtol=1e-5, atol=1e-6 * (float(w.abs().max()) or 1.0))
     assert ("split" in got) == ("split" in want)
-    if "split" in want:  # split halves and per-call masses: the same numbers up to fp32 summation order
+    if "split" in want:  # split halves: the same numbers up to fp32 summation order
         _assert_close(got["split"], want["split"])
-        _assert_close(got["units"], want["units"])
+        if units:
+            _assert_close(got["units"], want["units"])
 
 
 def _assert_close(got, want):
@@ -105,14 +113,25 @@ def _fsdp_model():
     return fsdp.wrap(tiny_model("llama-tied"))
 
 
+# Whole batches without split halves; with them, one prompt per batch (uneven batch counts over the ranks)
+# and micro-batches of a row or two.
+CASES = {"whole": {"max_batch_tokens": 10**6}, "halves": {"max_batch_tokens": 8, "stability": True, "batch_size": 3}}
+
+
 def _job_equal(out: Path) -> dict:
-    """Whole batches without split halves; micro-batches of a row or two per rank with them."""
-    return {budget: _calibrate(_fsdp_model(), shard="fsdp", max_batch_tokens=budget, stability=budget == 8)
-            for budget in (10**6, 8)}
+    """Each case data-parallel (the plain model on the same ranks) and under FSDP."""
+    runs = {}
+    for case, kw in CASES.items():
+        runs[f"{case}/dp"] = _calibrate(tiny_model("llama-tied"), **kw)
+        runs[f"{case}/fsdp"] = _calibrate(_fsdp_model(), shard="fsdp", **kw)
+    return runs
+
+
+RESUME = {"shard": "fsdp", **CASES["halves"]}
 
 
 def _job_resume(out: Path) -> dict:
-    """Interrupted after the checkpoint of batch 2 and resumed under FSDP; a one-process checkpoint resumed too."""
+    """Interrupted after the checkpoint of batch 2 and resumed under FSDP; a one-process checkpoint is refused."""
     folder = out / "fsdp.checkpoint"
     undo = _stop_after(2)
     try:
@@ -123,20 +142,37 @@ def _job_resume(out: Path) -> dict:
     finally:
         undo()
     dist.barrier()
-    if dist.get_rank() == 0:  # a copy for a one-process resume (the resumed run removes its checkpoint)
+    if dist.get_rank() == 0:  # a copy for one process to try (the resumed run removes its checkpoint)
         shutil.copytree(folder, out / "copy.checkpoint")
     dist.barrier()
-    runs = {}
-    for name in ("fsdp", "one"):  # "one": written by one process before the ranks started
-        cfg = CheckpointConfig(out / f"{name}.checkpoint", every=1, resume=True, model_id=MODEL_ID)
-        runs[name] = _calibrate(_fsdp_model(), **RESUME, checkpoint=cfg)
+    runs = {"fsdp": _calibrate(_fsdp_model(), **RESUME, checkpoint=CheckpointConfig(
+        folder, every=1, resume=True, model_id=MODEL_ID))}
+    try:  # written by one process before the ranks started
+        _calibrate(_fsdp_model(), **RESUME, checkpoint=CheckpointConfig(
+            out / "one.checkpoint", every=1, resume=True, model_id=MODEL_ID))
+        runs["one"] = "resumed"
+    except FisherSelectError as exc:
+        runs["one"] = str(exc)
     dist.barrier()
-    runs["left"] = [p.name for p in out.iterdir() if p.name != "copy.checkpoint" and p.name.endswith(".checkpoint")]
+    runs["left"] = sorted(p.name for p in out.iterdir() if p.name.endswith(".checkpoint"))
     return runs
 
 
-RESUME = {"shard": "fsdp", "max_batch_tokens": 8, "stability": True}
-JOBS = {"equal": _job_equal, "resume": _job_resume}
+def _job_lockstep(out: Path) -> dict:
+    """Rank 0 makes 3 forwards inside the block, rank 1 one: rank 1 makes 2 one-token forwards leaving it."""
+    from fisher_select.calibration import fsdp
+
+    model = _fsdp_model()
+    step = fsdp.Lockstep(model, pad_id=0)
+    with step(), torch.no_grad():
+        for _ in range(3 if dist.get_rank() == 0 else 1):
+            model(input_ids=torch.tensor([[3, 4, 5]]))
+    with step():  # no rank forwards: all leave at once
+        pass
+    return {"dummies": step.dummies}
+
+
+JOBS = {"equal": _job_equal, "resume": _job_resume, "lockstep": _job_lockstep}
 
 
 def _worker(rank, world, port, out, jobs):
@@ -166,7 +202,7 @@ ONE = {k: v for k, v in RESUME.items() if k != "shard"}  # the same calibration 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One spawn of two ranks runs both jobs (spawning is most of the time); first one process writes the
-    checkpoint of an interrupted run for the ranks to resume."""
+    checkpoint of an interrupted run, which the ranks must refuse."""
     out = tmp_path_factory.mktemp("fsdp")
     undo = _stop_after(1)
     try:
@@ -175,38 +211,58 @@ def two_ranks(tmp_path_factory):
                        checkpoint=CheckpointConfig(out / "one.checkpoint", every=1, model_id=MODEL_ID))
     finally:
         undo()
-    return out, _spawn(2, out, "equal", "resume")
+    return out, _spawn(2, out, "equal", "resume", "lockstep")
 
 
 def _check_equal(ranks):
-    for budget, got in ranks[0]["equal"].items():
-        assert all(r["equal"][budget] is None for r in ranks[1:])  # rank 0 alone holds the result
-        want = _summary(_calibrate(tiny_model("llama-tied"), max_batch_tokens=budget, stability=budget == 8))
-        assert ("split" in want) == (budget == 8)  # both halves have prompts
-        _assert_same(got, want)
+    world = len(ranks)
+    for case in CASES:
+        got, want = ranks[0]["equal"][f"{case}/fsdp"], ranks[0]["equal"][f"{case}/dp"]
+        assert all(r["equal"][f"{case}/fsdp"] is None for r in ranks[1:])  # rank 0 alone holds the result
+        assert got["count"] == len(PROMPTS) * 3 and got["scale"] > 0
+        assert sorted({s["prompt_index"] for s in got["samples"]}) == list(range(len(PROMPTS)))
+        _assert_same(got, want, units=False)
+        if "split" in want:
+            # A unit of the spread of module masses is one scoring call over every rank's rows (data-parallel:
+            # one rank's call): the same halves, cut into world-times larger units with the same totals.
+            masses, counts = got["units"]
+            dp_masses, dp_counts = want["units"]
+            assert sum(counts) == sum(dp_counts) == got["count"] and len(counts) <= len(dp_counts)
+            for p in range(len(masses[0])):
+                assert sum(m[p] for m in masses) == pytest.approx(sum(m[p] for m in dp_masses), rel=1e-5)
+            if world == 2:  # one prompt per batch, even ones on rank 0: each call holds one rank's rows
+                _assert_close(sorted(zip(counts, masses)), sorted(zip(dp_counts, dp_masses)))
+    return world
 
 
-def test_two_fsdp_ranks_calibrate_like_one_process(two_ranks):
+def test_two_fsdp_ranks_calibrate_like_two_data_parallel_ranks(two_ranks):
     _check_equal(two_ranks[1])
 
 
 @pytest.mark.slow  # four ranks on 2 cores: ~25 s
-def test_four_fsdp_ranks_calibrate_like_one_process(tmp_path):
+def test_four_fsdp_ranks_calibrate_like_four_data_parallel_ranks(tmp_path):
     _check_equal(_spawn(4, tmp_path, "equal"))
 
 
-def test_fsdp_interrupted_then_resumed_equals_one_uninterrupted_process(two_ranks):
-    """Checkpoints are in the one-process format: FSDP resumes its own and a one-process one; one process
-    resumes an FSDP one; all equal the uninterrupted one-process run (samples, F, g, S, split halves)."""
+def test_lockstep_matches_every_forward_of_the_busiest_rank(two_ranks):
+    assert [r["lockstep"]["dummies"] for r in two_ranks[1]] == [0, 2]
+
+
+def test_fsdp_interrupted_then_resumed_equals_the_uninterrupted_run(two_ranks):
+    """One checkpoint holds every rank's generator, statistics and samples beside the gathered sums: the
+    resumed run equals the uninterrupted one (samples, F, g, S, split halves and their units). A
+    checkpoint of another number of ranks (one process) is refused by the ranks, and one process
+    refuses theirs."""
     out, ranks = two_ranks
-    want = _summary(_calibrate(tiny_model("llama-tied"), **ONE))
-    assert ranks[1]["resume"]["fsdp"] is None and ranks[1]["resume"]["one"] is None
+    want = ranks[0]["equal"]["halves/fsdp"]
+    assert ranks[1]["resume"]["fsdp"] is None
     _assert_same(ranks[0]["resume"]["fsdp"], want)
-    _assert_same(ranks[0]["resume"]["one"], want)
-    assert ranks[0]["resume"]["left"] == []  # each resumed run removed its checkpoint
-    from_fsdp = _calibrate(tiny_model("llama-tied"), **ONE, checkpoint=CheckpointConfig(
-        out / "copy.checkpoint", every=1, resume=True, model_id=MODEL_ID))
-    _assert_same(_summary(from_fsdp), want)
+    for r in ranks:
+        assert "differs in fsdp_ranks" in r["resume"]["one"]
+    assert ranks[0]["resume"]["left"] == ["copy.checkpoint", "one.checkpoint"]  # the resumed run removed its own
+    with pytest.raises(FisherSelectError, match="differs in fsdp_ranks"):
+        _calibrate(tiny_model("llama-tied"), **ONE, checkpoint=CheckpointConfig(
+            out / "copy.checkpoint", every=1, resume=True, model_id=MODEL_ID))
 
 
 def test_fsdp_refusals_say_what_where_and_what_to_do(monkeypatch):
@@ -231,8 +287,8 @@ def test_fsdp_refusals_say_what_where_and_what_to_do(monkeypatch):
         score_sums_sharded(tiny_model("llama-fallback"), [])
 
 
-@pytest.mark.slow  # two torchrun ranks and one process, each loading torch and transformers (~40 s on 2 cores)
-def test_calibrate_shard_fsdp_under_torchrun_writes_the_one_process_run(small_llama_dir, tmp_path):
+@pytest.mark.slow  # two torchrun launches of two ranks, each loading torch and transformers (~40 s on 2 cores)
+def test_calibrate_shard_fsdp_under_torchrun_writes_the_data_parallel_run(small_llama_dir, tmp_path):
     import json
     import subprocess
     import sys
@@ -241,21 +297,22 @@ def test_calibrate_shard_fsdp_under_torchrun_writes_the_one_process_run(small_ll
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd()}
     args = ["-m", "fisher_select", "calibrate", "--recipe", "rl-arithmetic", "--model", str(small_llama_dir),
-            "--num-prompts", "4", "--samples-per-prompt", "2", "--batch-size", "4", "--max-new-tokens", "4",
+            "--num-prompts", "5", "--samples-per-prompt", "2", "--batch-size", "2", "--max-new-tokens", "4",
             "--no-stability", "--no-progress"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     runs = {}
-    for name, cmd in {"one": [sys.executable, *args], "fsdp": [*torchrun, *args, "--shard", "fsdp"]}.items():
-        done = subprocess.run([*cmd, "--out", str(tmp_path / name)], capture_output=True, text=True, env=env,
-                              timeout=600)
+    for name, extra in {"dp": [], "fsdp": ["--shard", "fsdp"]}.items():
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(free_port())]
+        done = subprocess.run([*torchrun, *args, *extra, "--out", str(tmp_path / name)], capture_output=True,
+                              text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = tmp_path / name
-    one, fsdp = runs["one"], runs["fsdp"]
-    assert (one / "samples.jsonl").read_text() == (fsdp / "samples.jsonl").read_text()
+    dp, fsdp = runs["dp"], runs["fsdp"]
+    assert (dp / "samples.jsonl").read_text() == (fsdp / "samples.jsonl").read_text()
     for file in ("fisher.safetensors", "grad_estimate.safetensors"):
-        a, b = load_file(str(one / file)), load_file(str(fsdp / file))
+        a, b = load_file(str(dp / file)), load_file(str(fsdp / file))
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6 * (float(a[k].abs().max()) or 1.0))
-    scale = [json.loads((r / "report.json").read_text())["signal_scale"] for r in (one, fsdp)]
-    assert scale[0] == scale[1]
+    scale = [json.loads((r / "report.json").read_text())["signal_scale"] for r in (dp, fsdp)]
+    assert scale[0] == pytest.approx(scale[1], rel=1e-12)

@@ -8,6 +8,7 @@ the plain score sums. At the end everything is divided by the number of samples.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -36,7 +37,8 @@ from fisher_select.stats.conformity import ScoreMeanConformity, score_mean_confo
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.stability import SplitHalf, compare_halves
 from fisher_select.calibration.sampling import eos_ids_of, pad_id_of, pad_rows, sample_responses
-from fisher_select.calibration.checkpoint import CheckpointConfig, Checkpointer, capture, digest, restore_state
+from fisher_select.calibration.checkpoint import (CheckpointConfig, Checkpointer, capture, capture_ranks, digest,
+                                                  rank_view, restore_state)
 from fisher_select.calibration.rollouts import Rollouts, mismatch_summary, tokenize_rollouts
 from fisher_select.calibration.teachers import sequence_logprobs
 
@@ -216,15 +218,18 @@ class _Calibrator:
                                         "missing": self.memory.missing(self.cov, len(whole.shapes))}}
         self.eos = eos_ids_of(model, tokenizer)
         self.pad = pad_id_of(model, tokenizer)
-        self.fsdp = config.shard == "fsdp"  # calibration.fsdp: every rank runs the whole pass in step
-        self.rank, self.world = (0, 1) if self.fsdp else rank_world()
+        self.fsdp = config.shard == "fsdp"  # calibration.fsdp: ranks sample their own prompts, forwards in lockstep
+        self.rank, self.world = rank_world()
         self.shards: fsdp.Shards | None = None  # fsdp: this rank's rows of every accumulator
+        self.lockstep: fsdp.Lockstep | None = None  # fsdp: every rank makes the same forwards while sampling
         if self.fsdp:
             _refuse(fsdp.problems(model, config, objectives, checkpoint))
             self.verify = False  # plain autograd would reach the all-gathered weights, not the shards
             keep = set(self.cov.shapes) if config.modules else None
-            self.shards = fsdp.Shards(model, self.cov, max_tokens=self.max_tokens, max_rows=self.batch_size,
+            self.shards = fsdp.Shards(model, self.cov, max_tokens=self.max_tokens, max_rows=self.score_rows,
+                                      objectives=len(objectives) if self.memory.signals else None,
                                       totals=self.memory.totals, params=keep)
+            self.lockstep = fsdp.Lockstep(model, self.pad)
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(self.seed, self.rank))
         self.ctx = Context(model, tokenizer, self.device)
         self.progress, self.truncate_prompts = progress, config.truncate_prompts
@@ -242,15 +247,18 @@ class _Calibrator:
         for o in self.objectives:  # load a teacher, check data against the prompts
             o.prepare(self.ctx, all_prompts)  # all of them: what it resolves must not depend on the rank
         self._check_memory(rendered)
-        self._run_batches(prompts, rendered)
+        # fsdp: every rank runs as many batches as rank 0 (the most prompts), and one checkpoint holds all ranks
+        batches = -(-len(shard(all_prompts, 0, self.world)) // self.groups_per_batch) if self.fsdp else None
+        self._run_batches(prompts, rendered, batches, every if self.fsdp else rendered)
         extra = [self._extra_mean_score(o) for o in self.objectives]
-        if self.fsdp and not self._gather_shards():
-            return None  # rank 0 holds the gathered sums and writes the run
-        if self.world > 1:
+        if self.fsdp and not self._merge_shards():
+            return None  # rank 0 holds the gathered sums and every rank's records, and writes the run
+        if self.world > 1 and not self.fsdp:
             self._merge_ranks()
         if self.rollouts is not None:  # from the merged sample records: every rank's responses
             self.checks["rollouts"] = {**self.rollouts.describe(), **mismatch_summary(self.samples)}
-        split = self.stability.close(self.sums, self.world, self.device) if self.stability else None
+        world = 1 if self.fsdp else self.world  # fsdp: the halves are gathered and counted already
+        split = self.stability.close(self.sums, world, self.device) if self.stability else None
         cal = self._result(len(all_prompts), extra)
         cal.timings = {"sampling_s": self.clock["sampling"], "scoring_s": self.clock["scoring"],
                        "response_tokens": self.clock["tokens"], "samples": self.clock["samples"]}
@@ -285,30 +293,45 @@ class _Calibrator:
             self.checks["prompts_truncated"] = cut
         return every
 
-    def _run_batches(self, prompts: list[PromptRecord], rendered: list[list[int]]) -> None:
-        """Sample (or read) and score batch by batch, checkpointing; a resumed pass skips the batches done."""
+    def _run_batches(self, prompts: list[PromptRecord], rendered: list[list[int]], batches: int | None,
+                     keyed: list[list[int]]) -> None:
+        """Sample (or read) and score batch by batch, checkpointing; a resumed pass skips the batches done.
+
+        ``batches``: how many to run (fsdp: rank 0's count on every rank; a rank past its own prompts
+        still joins each batch's forwards and scoring calls with none of its own); ``keyed``: the
+        prompts the checkpoint key records."""
         starts = list(range(0, len(prompts), self.groups_per_batch))
-        done = self._resume(rendered)
+        batches = len(starts) if batches is None else batches
+        done = self._resume(keyed)
         total, seen = len(prompts) * self.k, min(len(prompts), done * self.groups_per_batch) * self.k
         what = "rollouts" if self.rollouts is not None else "sampling"
         bar_s = tqdm(total=total, initial=seen, desc=what, unit="sample", disable=not self.progress)
         bar_f = tqdm(total=total, initial=seen, desc="scoring ", unit="sample", disable=not self.progress)
         with bar_s, bar_f:
-            for b in range(done, len(starts)):
-                i = starts[b]
+            for b in range(done, batches):
+                i = starts[b] if b < len(starts) else len(prompts)  # past this rank's prompts: none
                 started = time.perf_counter()
-                groups = self._groups(prompts[i : i + self.groups_per_batch], rendered[i : i + self.groups_per_batch])
-                self._timed("sampling", started, tokens=sum(len(y) for g in groups for y in g.responses))
+                with self._in_step():  # fsdp: rewards and teachers may run the model too
+                    groups = self._groups(prompts[i : i + self.groups_per_batch],
+                                          rendered[i : i + self.groups_per_batch])
+                    self._timed("sampling", started, tokens=sum(len(y) for g in groups for y in g.responses))
+                    signals = self._signals(groups)
                 bar_s.update(len(groups) * self.k)
-                batch = self._batch(groups, self._signals(groups))
                 started = time.perf_counter()
-                self._score(batch)
+                if groups:
+                    self._score(self._batch(groups, signals))
+                else:
+                    self._score_nothing()
                 self._timed("scoring", started, samples=len(groups) * self.k)
                 bar_f.update(len(groups) * self.k)
-                if self.ckpt is not None and self.ckpt.due(b + 1, len(starts)):
+                if self.ckpt is not None and self.ckpt.due(b + 1, batches):
                     self._save_checkpoint(b + 1)
                 if b == done:  # without bars (which show their own ETA), the first batch times the rest
-                    self._log_eta(len(starts) - b - 1)
+                    self._log_eta(batches - b - 1)
+
+    def _in_step(self):
+        """fsdp: the forwards of sampling and signals in lockstep with the other ranks; else nothing."""
+        return self.lockstep() if self.lockstep is not None else contextlib.nullcontext()
 
     def _timed(self, phase: str, started: float, **counts) -> None:
         self.clock[phase] += time.perf_counter() - started
@@ -336,13 +359,16 @@ class _Calibrator:
         """Prompt batches already done: restored from the newest checkpoint (0 without one)."""
         if self.checkpoint is None:
             return 0
-        # fsdp: one checkpoint in the one-process format (rank 0 of 1), which rank 0 alone writes and removes
+        # fsdp: one checkpoint holding every rank's state (folder of rank 0 of 1), which rank 0 alone writes
         owner = self.shards is None or self.shards.rank == 0
-        self.ckpt = Checkpointer(self.checkpoint, self.rank, self.world, self._checkpoint_key(rendered), owner=owner)
+        rank, world = (0, 1) if self.fsdp else (self.rank, self.world)
+        self.ckpt = Checkpointer(self.checkpoint, rank, world, self._checkpoint_key(rendered), owner=owner)
         state = self.ckpt.load()
         if state is None:
             return 0
         done, tensors, meta, samples = state
+        if self.fsdp:
+            tensors, meta, samples = rank_view(tensors, meta, samples, self.rank)
         restore_state(self, tensors, meta, samples)
         if self.shards is not None:  # every rank read the full sums; it keeps its rows
             self.sums = self.shards.cut(self.sums)
@@ -351,19 +377,20 @@ class _Calibrator:
         return done
 
     def _save_checkpoint(self, done: int) -> None:
-        """The state after ``done`` batches; fsdp: rank 0 gathers the full sums and writes the one-process format."""
+        """The state after ``done`` batches; fsdp: rank 0 gathers the full sums and every rank's state, and writes them."""
         if self.shards is None:
             self.ckpt.save(done, *capture(self), self.samples)
             return
-        sums = self.shards.gather(self.sums)  # collective: every rank
+        sums = self.shards.gather(self.sums)  # collectives: every rank
         half = self._gather_half_a()
-        if sums is not None:
-            self.ckpt.save(done, *capture(self, sums=sums, half_a=half), self.samples)
+        joined = capture_ranks(self, sums, half)
+        if joined is not None:
+            self.ckpt.save(done, *joined)
 
     def _gather_half_a(self) -> dict[str, torch.Tensor] | None:
         """fsdp: the split halves' half-A squares, full on rank 0 (None elsewhere, and before any half-A prompt)."""
         half = None if self.stability is None else self.stability.squares_a
-        if half is None:  # the same on every rank: the split-half bookkeeping is replicated
+        if half is None:  # the same on every rank: every rank makes both halves' calls (before any: None)
             return None
         full = self.shards.gather(ScoreSums(half, None, None, 0))
         return None if full is None else full.squares
@@ -374,14 +401,19 @@ class _Calibrator:
         if model_id is None:
             from fisher_select.models import fingerprint  # reads every weight once: only when asked to checkpoint
             model_id = fingerprint(self.model)["id"]
-        return {"model": model_id, "samples_per_prompt": self.k, "max_new_tokens": self.max_new_tokens,
-                "seed": self.seed, "batch_size": self.batch_size, "max_batch_tokens": self.max_tokens,
-                "prompts": digest(rendered),
-                "objectives": digest([o.describe() for o in self.objectives]),
-                "rollouts": self.rollouts.sha256 if self.rollouts is not None else None,
-                "stability": self.stability is not None, "memory": self.memory.describe()}
+        key = {"model": model_id, "samples_per_prompt": self.k, "max_new_tokens": self.max_new_tokens,
+               "seed": self.seed, "batch_size": self.batch_size, "max_batch_tokens": self.max_tokens,
+               "prompts": digest(rendered),
+               "objectives": digest([o.describe() for o in self.objectives]),
+               "rollouts": self.rollouts.sha256 if self.rollouts is not None else None,
+               "stability": self.stability is not None, "memory": self.memory.describe()}
+        if self.fsdp:  # every rank's samples are in it: only as many FSDP ranks can resume it
+            key["fsdp_ranks"] = self.world
+        return key
 
     def _groups(self, records, rendered) -> list[Group]:
+        if not records:  # fsdp: a rank past its own prompts
+            return []
         return self._rollout_groups(records) if self.rollouts is not None else self._sample(records, rendered)
 
     def _rollout_groups(self, records: list[PromptRecord]) -> list[Group]:
@@ -442,8 +474,8 @@ class _Calibrator:
         first = self.sums is None
         if self.stability is not None:  # the two halves' prompts in two calls
             self.sums = self.stability.score(self.model, batch, signal, self.sums)
-        elif self.shards is not None:  # fsdp: this rank scores its share of the rows, keeps its rows of the sums
-            self.sums = self.shards.score(*args[1:], signal, into=self.sums)
+        elif self.shards is not None:  # fsdp: this rank scores its rows, keeps its rows of every rank's sums
+            self.sums = self.shards.score(args[1:], signal, into=self.sums)
         elif first:
             self.sums = score_in_budget(*args, signal, coverage=self.cov, **self.engine, **self.memory.score_kwargs())
         else:
@@ -454,12 +486,27 @@ class _Calibrator:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*args[1:], token_signals)
 
-    def _gather_shards(self) -> bool:
-        """fsdp: gather the sums (and the half-A squares) onto rank 0; True there, False on the other ranks."""
+    def _score_nothing(self) -> None:
+        """fsdp, a rank past its own prompts: join the scoring calls of the other ranks' batch with no rows."""
+        calls = -(-self.k // self.score_rows) if self.k > self.batch_size else 1  # _row_chunks of any batch
+        for _ in range(calls):
+            if self.stability is not None:
+                self.sums = self.stability.score(self.model, None, None, self.sums)
+            else:
+                self.sums = self.shards.score(None, None, into=self.sums)
+
+    def _merge_shards(self) -> bool:
+        """fsdp: rank 0 gets the full sums (and half-A squares), every rank's statistics and samples, and
+        the split-half counts of all ranks; True there, False on the other ranks."""
         half = self._gather_half_a()
         self.sums = self.shards.gather(self.sums)
-        if self.sums is not None and self.stability is not None:  # rank 0 closes the halves as one process does
-            self.stability.squares_a, self.stability.shards = half, None
+        self.stats = [merge_statistics(s) for s in self.stats]
+        self.samples = [s for part in gather_objects(self.samples) for s in part]
+        if self.stability is not None:  # the per-call masses are every rank's already (Shards.masses)
+            st = self.stability
+            st.samples = [all_reduce_int(c, self.device) for c in st.samples]
+            st.prompts = [all_reduce_int(c, self.device) for c in st.prompts]
+            st.squares_a, st.shards = half, None  # rank 0 closes the halves as one process does
         return self.sums is not None
 
     def _extra_mean_score(self, o: Objective) -> dict[str, torch.Tensor] | None:
@@ -469,11 +516,12 @@ class _Calibrator:
         if rows is None:
             return None
         sums = ScoreSums.zeros(self.cov, None, squares=False)
-        mine = shard(rows, self.rank, self.world)
+        rank, world = (0, 1) if self.fsdp else (self.rank, self.world)  # fsdp: every rank scores them all, in step
+        mine = shard(rows, rank, world)
         for i in range(0, len(mine), self.batch_size):
             ids, mask, resp = pad_rows(mine[i : i + self.batch_size], self.pad, self.device)  # (B, T) each
             score_in_budget(self.model, ids, mask, resp, coverage=self.cov, into=sums, squares=False, **self.engine)
-        if self.world > 1:
+        if world > 1:
             sums.count = all_reduce_int(sums.count, self.device)
             all_reduce_sums(sums.total)
         return {name: t / sums.count for name, t in sums.total.items()}
@@ -733,38 +781,55 @@ class _Stability:
         return self.squares_a
 
     def _zeros(self, signal: torch.Tensor | None) -> ScoreSums:
-        if self.shards is not None:  # signal None: the memory mode keeps no signal sums
-            return self.shards.zeros(None if signal is None else signal.shape[0])
+        if self.shards is not None:  # the objectives whose signal sums the memory mode keeps
+            return self.shards.zeros(self.shards.objectives)
         return self.memory.zeros(self.cov, 0 if signal is None else signal.shape[0])
 
-    def _add(self, model, ids, mask, resp, signal, into: ScoreSums) -> None:
-        """Score rows (B, T) (signal (O, B) or None) into ``into``: sharded under fsdp, else in token budgets."""
+    def _add(self, model, rows: tuple | None, signal, into: ScoreSums) -> None:
+        """Score ``rows`` ((ids, mask, resp), each (B, T); signal (O, B) or None) into ``into``: sharded under
+        fsdp (where ``rows`` may be None: this rank joins the call with none), else in token budgets."""
         if self.shards is not None:
-            self.shards.score(ids, mask, resp, signal, into=into)
+            self.shards.score(rows, signal, into=into)
         else:
-            score_in_budget(model, ids, mask, resp, signal, coverage=self.cov, into=into, **self.engine)
+            score_in_budget(model, *rows, signal, coverage=self.cov, into=into, **self.engine)
 
-    def score(self, model, batch: _Batch, signal: torch.Tensor, sums: ScoreSums | None) -> ScoreSums:
-        """Score ``batch`` (signal: (O, B)) into ``sums`` (created on the first call) and return it."""
-        k = batch.input_ids.shape[0] // len(batch.groups)  # rows per group
+    def score(self, model, batch: _Batch | None, signal: torch.Tensor | None, sums: ScoreSums | None) -> ScoreSums:
+        """Score ``batch`` (signal: (O, B)) into ``sums`` (created on the first call) and return it.
+
+        fsdp: both halves' calls are collectives, made on every rank even where this rank has no rows
+        of a half (``batch`` None: a rank past its own prompts); a call is one unit of the spread of
+        module masses over all ranks' rows (``Shards.masses``), counted when any rank had rows."""
+        groups = [] if batch is None else batch.groups
         for half in (1, 0):
-            picked = [j for j, g in enumerate(batch.groups) if g.record.index % 2 == half]
-            if not picked:
+            picked = [j for j, g in enumerate(groups) if g.record.index % 2 == half]
+            if not picked and self.shards is None:
                 continue
-            rows = torch.tensor([j * k + i for j in picked for i in range(k)], device=batch.input_ids.device)
-            ids, mask, resp = (t.index_select(0, rows) for t in
-                               (batch.input_ids, batch.attention_mask, batch.response_mask))  # (b, T) each
-            start = int(mask.any(0).nonzero()[0])  # padding columns these rows share
             sums = self._zeros(signal) if sums is None else sums
             target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0)
-            self._add(model, ids[:, start:], mask[:, start:], resp[:, start:],
-                      None if signal is None else signal.index_select(1, rows), target)
+            before = target.count
+            rows = self._rows(batch, picked)  # (b,) or None
+            part = None if rows is None else tuple(t.index_select(0, rows) for t in
+                                                   (batch.input_ids, batch.attention_mask, batch.response_mask))
+            if part is not None:
+                start = int(part[1].any(0).nonzero()[0])  # padding columns these rows share
+                part = tuple(t[:, start:] for t in part)  # (b, T') each
+            self._add(model, part, None if rows is None or signal is None else signal.index_select(1, rows), target)
+            counted = target.count - before  # fsdp: every rank's rows of this call
             if half == 0:
                 sums.count += target.count
-            self.samples[half] += len(rows)
+            self.samples[half] += 0 if rows is None else len(rows)
             self.prompts[half] += len(picked)
-            self._unit(half, target.squares, len(rows))
+            if counted:
+                self._unit(half, target.squares, counted)
         return sums
+
+    @staticmethod
+    def _rows(batch: _Batch | None, picked: list[int]) -> torch.Tensor | None:
+        """The row indices (b,) of the ``picked`` groups' responses; None when none are picked."""
+        if not picked:
+            return None
+        k = batch.input_ids.shape[0] // len(batch.groups)  # rows per group
+        return torch.tensor([j * k + i for j in picked for i in range(k)], device=batch.input_ids.device)
 
     def _unit(self, half: int, squares: dict[str, torch.Tensor], count: int) -> None:
         if self.shards is not None:  # the whole accumulator's sums: every rank's rows

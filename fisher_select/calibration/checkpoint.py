@@ -15,8 +15,9 @@ Each checkpoint directory is written atomically (``atomic.write_dir``: complete 
 older ones are removed only after the newer one is in place, and the newest complete one is
 resumed. Under torchrun each rank checkpoints its own shard of prompts (ranks never communicate
 before the final merge, so no gathering is needed); a resume needs the same number of ranks.
-Under ``shard: fsdp`` rank 0 gathers the full sums and writes one checkpoint in the one-process
-format (``rank-000-of-001``), which any number of FSDP ranks, or one process, can resume.
+Under ``shard: fsdp`` rank 0 gathers the full sums and every rank's generator, statistics and
+samples and writes one checkpoint (folder ``rank-000-of-001``, key ``fsdp_ranks``), which as many
+FSDP ranks resume, each taking its own state and its rows of the sums.
 The manifest records what the state depends on (settings, objectives, prompts, model); a
 checkpoint of another calibration is refused, naming what differs.
 """
@@ -137,7 +138,7 @@ class Checkpointer:
 def finish(cfg: CheckpointConfig, rank: int, world: int, sharded: bool = False) -> None:
     """After rank 0 wrote the run directory: every rank removes its checkpoints (``keep_when_done``).
 
-    ``sharded`` (``shard: fsdp``): the one checkpoint, in the one-process format, is rank 0's to remove."""
+    ``sharded`` (``shard: fsdp``): the one checkpoint, holding every rank's state, is rank 0's to remove."""
     if world > 1:
         import torch.distributed as dist
 
@@ -190,28 +191,61 @@ def _take_sums(tensors: dict, prefix: str, info: dict | None, names, place) -> S
     return ScoreSums(parts["squares"], parts["signal"], parts["total"], info["count"])
 
 
+def _own_meta(cal) -> dict:
+    """What one process's sampling and scoring left in the calibrator beside the sums (JSON-able)."""
+    meta = {"checks": cal.checks, "stats": [s.to_dict() for s in cal.stats]}
+    if cal.stability is not None:
+        st = cal.stability
+        meta["stability"] = {"samples": st.samples, "prompts": st.prompts, "unit_masses": st.unit_masses,
+                             "unit_counts": st.unit_counts, "running": st._running, "has_a": st.squares_a is not None}
+    return meta
+
+
 def capture(cal, sums: ScoreSums | None = None, half_a: dict[str, torch.Tensor] | None = None
             ) -> tuple[dict[str, torch.Tensor], dict]:
     """The state of a ``calibrator._Calibrator`` between batches: (tensors, JSON-able state).
 
     ``sums`` / ``half_a``: full sums standing in for the calibrator's own (fsdp: those gathered on
-    rank 0, while the calibrator holds its rows), so the checkpoint is in the one-process format."""
+    rank 0, while the calibrator holds its rows)."""
     sums = cal.sums if sums is None else sums
     tensors = {"rng/sampling": cal.generator.get_state()}
-    meta = {"sums": _put_sums(tensors, "sums", sums), "checks": cal.checks,
-            "stats": [s.to_dict() for s in cal.stats]}
+    meta = {"sums": _put_sums(tensors, "sums", sums), **_own_meta(cal)}
     if cal.token is not None:
         tensors["rng/signs"] = cal.token.signs.get_state()
         meta["token"] = {"squares": _put_sums(tensors, "token", cal.token.squares),
                          "grads": [_put_sums(tensors, f"token_grad{j}", g) for j, g in enumerate(cal.token.grads)]}
     if cal.stability is not None:
-        st = cal.stability
-        half_a = st.squares_a if half_a is None else half_a
+        half_a = cal.stability.squares_a if half_a is None else half_a
         for name, t in (half_a or {}).items():
             tensors[f"half_a/{name}"] = t
-        meta["stability"] = {"samples": st.samples, "prompts": st.prompts, "unit_masses": st.unit_masses,
-                             "unit_counts": st.unit_counts, "running": st._running, "has_a": half_a is not None}
     return tensors, meta
+
+
+def capture_ranks(cal, sums: ScoreSums | None, half_a: dict[str, torch.Tensor] | None):
+    """fsdp (a collective): one checkpoint of every rank's state, (tensors, state, samples) on rank 0, None elsewhere.
+
+    ``sums`` / ``half_a``: the full sums gathered on rank 0. Each rank's sampling generator, statistics,
+    split-half counts and samples go in under its rank (``rank_view`` takes them out again)."""
+    from fisher_select.distributed import gather_objects
+
+    parts = gather_objects((cal.generator.get_state(), _own_meta(cal), cal.samples))  # [(state, meta, samples)]
+    if sums is None:
+        return None
+    tensors, meta = capture(cal, sums, half_a)
+    del tensors["rng/sampling"]  # rank 0's; every rank's goes in below
+    for r, (state, _, _) in enumerate(parts):
+        tensors[f"rank{r}/rng/sampling"] = state
+    meta = {"sums": meta["sums"], "ranks": [m for _, m, _ in parts], "samples_per_rank": [len(s) for _, _, s in parts]}
+    return tensors, meta, [record for _, _, samples in parts for record in samples]
+
+
+def rank_view(tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict], rank: int):
+    """fsdp: rank ``rank``'s part of a ``capture_ranks`` checkpoint, as ``restore_state`` takes it (full sums)."""
+    counts = meta["samples_per_rank"]
+    start = sum(counts[:rank])
+    own = {k: v for k, v in tensors.items() if not k.startswith("rank")}  # the full sums and half-A squares
+    own["rng/sampling"] = tensors[f"rank{rank}/rng/sampling"]
+    return own, {"sums": meta["sums"], **meta["ranks"][rank]}, samples[start : start + counts[rank]]
 
 
 def restore_state(cal, tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict]) -> None:

@@ -1,17 +1,20 @@
 """``calibrate --shard fsdp``: weights and accumulators sharded over the ranks with FSDP2 (torchrun).
 
-Every rank samples every prompt with the same seed, in step: an FSDP2 forward is a collective
-(each layer all-gathers its weights), so the ranks must make the same forward calls, and
-identical work is the one schedule that needs no coordination; the samples, signals, objective
-statistics and split-half bookkeeping are then those of one process on every rank. The scoring
-is what is split: each scoring call's micro-batches go round-robin, row by row, to the ranks,
-which score them through ``engine.sharded.score_sums_sharded`` into their rows of every
-parameter's sums (``Shards``). Rank 0 gathers the full sums for a checkpoint (written in the
-one-process format) and for the run; a resumed rank keeps its rows of the checkpoint's sums.
-What is still refused is listed by ``problems``.
+Each rank samples and scores its own share of the prompts with its own seed stream, as a
+data-parallel run does, so the samples, signals and sums are those of a data-parallel run with
+the same number of ranks. An FSDP2 forward is a collective (each layer all-gathers its
+weights), so ranks that sample different prompts must still make the same forward calls:
+``Lockstep`` has every forward of the model vote first, and a rank whose sampling is done keeps
+making one-token forwards until every rank's is (synced generation). Each rank scores its own
+rows through ``engine.sharded.score_sums_sharded`` (a rank with fewer rows scores padding
+batches) into its rows of every parameter's sums (``Shards``). Rank 0 gathers the full sums, and
+every rank's generator, statistics and samples, for a checkpoint and for the run. What is still
+refused is listed by ``problems``.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -77,7 +80,7 @@ class Shards:
     """
 
     def __init__(self, model: nn.Module, cov: Coverage, *, max_tokens: int | None, max_rows: int,
-                 squares: bool = True, totals: bool = True, params: set[str] | None = None):
+                 objectives: int | None, squares: bool = True, totals: bool = True, params: set[str] | None = None):
         from fisher_select.engine.scoring import _restricted, plan_coverage
         from fisher_select.engine.sharded import mesh_layouts, resharded
 
@@ -85,6 +88,7 @@ class Shards:
         self.cov = _restricted(plan_coverage(resharded(model)), set(cov.shapes))
         self.model, self.max_tokens, self.max_rows = model, max_tokens, max_rows
         self.squares, self.totals, self.params = squares, totals, params
+        self.objectives = objectives  # signal sums kept: one row per objective (None: the memory mode keeps none)
         self.layouts, self.group, self.rank, self.world = mesh_layouts(model, self.cov)
 
     def zeros(self, objectives: int | None, *, squares: bool | None = None, totals: bool | None = None) -> ScoreSums:
@@ -102,26 +106,23 @@ class Shards:
                          None if objectives is None else {n: rows(n, objectives) for n in names},
                          {n: rows(n) for n in names} if totals else None, 0)
 
-    def score(self, ids: torch.Tensor, mask: torch.Tensor, resp: torch.Tensor, signal: torch.Tensor | None,
-              into: ScoreSums | None = None) -> ScoreSums:
-        """Add the rows ``(B, T)`` (signal (O, B) or None) to ``into`` (new zeros when None): this rank scores
-        its rows of each micro-batch, every rank adds the reduced sums to its rows; returns ``into``."""
+    def score(self, rows: tuple | None, signal: torch.Tensor | None, into: ScoreSums | None = None) -> ScoreSums:
+        """Add this rank's ``rows`` ((ids, mask, resp), each (B, T); None: it has none this call) with their
+        signal (O, B) to ``into`` (new zeros when None), in micro-batches of the token budget; collective:
+        every rank calls it as often as the others, each with its own rows; returns ``into``."""
         from fisher_select.engine.sharded import score_sums_sharded
 
-        objectives = None if signal is None else signal.shape[0]
-        into = self.zeros(objectives) if into is None else into
+        into = self.zeros(self.objectives) if into is None else into
         mine = []
-        budget = None if self.max_tokens is None else self.max_tokens * self.world  # each rank's share: max_tokens
-        for part in micro_batches(mask, budget, self.max_rows * self.world):
-            rows = part[self.rank :: self.world]
-            if not rows:
-                continue
-            pick = torch.tensor(rows, device=ids.device)  # (b,)
-            cut = mask.index_select(0, pick)
-            start = int(cut.any(0).nonzero()[0])  # leading columns that are padding in every row
-            piece = (ids.index_select(0, pick)[:, start:], cut[:, start:], resp.index_select(0, pick)[:, start:])
-            mine.append(piece + (() if signal is None else (signal.index_select(1, pick),)))
-        score_sums_sharded(self.model, mine, objectives=objectives, squares=into.squares is not None,
+        if rows is not None:
+            ids, mask, resp = rows
+            for part in micro_batches(mask, self.max_tokens, self.max_rows):
+                pick = torch.tensor(part, device=ids.device)  # (b,)
+                cut = mask.index_select(0, pick)
+                start = int(cut.any(0).nonzero()[0])  # leading columns that are padding in every row
+                piece = (ids.index_select(0, pick)[:, start:], cut[:, start:], resp.index_select(0, pick)[:, start:])
+                mine.append(piece + (() if signal is None else (signal.index_select(1, pick),)))
+        score_sums_sharded(self.model, mine, objectives=self.objectives, squares=into.squares is not None,
                            totals=into.total is not None, params=self.params, into=into)
         return into
 
@@ -158,3 +159,46 @@ class Shards:
             return {n: cut_rows(t, self.layouts[n], lead).to(self.cov.params[n].device) for n, t in full.items()}
 
         return ScoreSums(rows("squares", 0), rows("signal", 1), rows("total", 0), sums.count)
+
+
+class Lockstep:
+    """Ranks sampling different prompts make the same FSDP2 forwards: ``with lockstep(): ...sample...``.
+
+    Inside the block every forward of the model first votes "busy" (an all-reduce of one integer,
+    made before FSDP2's all-gathers: the hook is prepended to theirs). Leaving the block, a rank
+    votes "done" and, while any other rank still voted busy, makes one-token forwards (no cache)
+    to match that rank's forward; when every rank votes done, all leave together. So each round
+    is one vote and one forward on every rank, however many prefill buckets and decoding steps
+    each rank's own prompts need, and the dummy forwards change no rank's samples.
+    """
+
+    def __init__(self, model: nn.Module, pad_id: int):
+        self.model, self.pad = model, pad_id
+        self.device = next(model.parameters()).device
+        self.dummies = 0  # one-token forwards this rank made to keep step (tests, logs)
+
+    def _any_busy(self, busy: bool) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(busy)], dtype=torch.long, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _vote(self, module, args, kwargs):
+        self._any_busy(True)
+
+    @contextmanager
+    def __call__(self):
+        handle = self.model.register_forward_pre_hook(self._vote, prepend=True, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+        self._drain()  # not after an exception: that rank's error ends the run (its peers' collectives fail)
+
+    @torch.no_grad()
+    def _drain(self) -> None:
+        ids = torch.full((1, 1), self.pad, dtype=torch.long, device=self.device)  # (1, 1)
+        while self._any_busy(False):
+            self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            self.dummies += 1

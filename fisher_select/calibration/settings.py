@@ -49,9 +49,9 @@ class CalibrationConfig:
     })
     shard: str = field(default="none", metadata={
         "help": "fsdp: under torchrun, shard the weights (each decoder layer, FSDP2) and the accumulators over the "
-                "ranks; every rank samples every prompt in step, the ranks split the scoring, rank 0 writes the run "
-                "(same result as one process, split halves and checkpoints included; sequence-level objectives only, "
-                "no --accumulate-on cpu); "
+                "ranks; each rank samples and scores its own prompts with its own seed stream, forwards in lockstep, "
+                "rank 0 writes the run (same result as data parallel on as many ranks; checkpoints resume on as many "
+                "ranks; sequence-level objectives only, no --accumulate-on cpu); "
                 "none: each rank holds the whole model (data parallel under torchrun)",
         "choices": ("none", "fsdp"),
     })

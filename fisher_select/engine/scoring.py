@@ -195,6 +195,9 @@ class _Sums:
         """
         flat = g.reshape(g.shape[0], -1)  # (b, P)
         weights = self._weights(g.device, g.dtype)
+        if g.shape[0] == 1 and not self.compiled:
+            self._add_one(name, flat[0], None if weights is None else weights[:, start : start + 1], rows)
+            return
         if self.compiled:
             self._add_fused(name, flat, None if weights is None else weights[:, start : start + g.shape[0]], rows)
             return
@@ -207,6 +210,24 @@ class _Sums:
         if self.squares is not None:
             sq = self.squares[name] if rows is None else self.squares[name][rows]
             self._add(sq.view(-1), _sum_of_squares(flat))
+
+    def _add_one(self, name: str, h: torch.Tensor, weights: torch.Tensor | None, rows: slice | None) -> None:
+        """One sample's gradient h (P,) (weights (K, 1)): each sum takes it in one in-place pass, without the
+        (K, P) product and the squares copy that a piece of several samples needs (fewer passes over memory)."""
+        k = 0
+        for target in self._linear_targets(name, rows):  # (n, P) each
+            w = weights[k : k + target.shape[0]]  # (n, 1)
+            if self.copy or target.device != h.device:
+                self._add(target, w * h)
+            else:
+                target.addcmul_(w, h)
+            k += target.shape[0]
+        if self.squares is not None:
+            sq = (self.squares[name] if rows is None else self.squares[name][rows]).view(-1)
+            if self.copy or sq.device != h.device:
+                self._add(sq, h * h)
+            else:
+                sq.addcmul_(h, h)
 
     def _add_fused(self, name: str, flat: torch.Tensor, weights: torch.Tensor | None, rows: slice | None) -> None:
         """add_dense's reductions in one compiled kernel: the (b, P) piece is read once, not once per sum."""
