@@ -559,7 +559,8 @@ def _round(live: dict, results: dict, measure, results_field: str | None, start:
     always follows the same one: the step after a large one pays for re-faulting its freed memory);
     a mode that fails is reported and dropped."""
     order = list(live)
-    for name in order[start % len(order):] + order[: start % len(order)] if order else []:
+    first = start % len(order) if order else 0
+    for name in order[first:] + order[:first]:
         try:
             value = measure(live[name])
         except Exception as exc:

@@ -500,8 +500,7 @@ class _Calibrator:
         the split-half counts of all ranks; True there, False on the other ranks."""
         half = self._gather_half_a()
         self.sums = self.shards.gather(self.sums)
-        self.stats = [merge_statistics(s) for s in self.stats]
-        self.samples = [s for part in gather_objects(self.samples) for s in part]
+        self._merge_records()
         if self.stability is not None:  # the per-call masses are every rank's already (Shards.masses)
             st = self.stability
             st.samples = [all_reduce_int(c, self.device) for c in st.samples]
@@ -553,11 +552,15 @@ class _Calibrator:
         all_reduce_sums(*(d for d in (self.sums.squares, self.sums.total, self.sums.signal) if d is not None))
         if self.token is not None:
             self.token.merge_ranks()
-        self.stats = [merge_statistics(s) for s in self.stats]
-        self.samples = [s for part in gather_objects(self.samples) for s in part]
+        self._merge_records()
         checks = [c for c in gather_objects(self.checks.get("autograd")) if c]
         if checks:
             self.checks["autograd"] = max(checks, key=lambda c: c["max_relative_error"])
+
+    def _merge_records(self) -> None:
+        """Every rank's objective statistics merged and sample records gathered, in rank order (collective)."""
+        self.stats = [merge_statistics(s) for s in self.stats]
+        self.samples = [s for part in gather_objects(self.samples) for s in part]
 
     def _objective_result(self, i: int, fisher: dict, extra_mean: dict | None) -> ObjectiveResult:
         o, stats, n = self.objectives[i], self.stats[i], self.sums.count
