@@ -74,7 +74,7 @@ def random_masks(model, density: float, seed: int) -> dict[str, torch.Tensor]:
 
 def setup_mode(model, mode: str, density: float | None, seed: int):
     """(trainable parameters, the handle or None, bytes the mode keeps besides state and gradients)."""
-    from fisher_select.outputs.masks import apply_masks
+    from fisher_select.training.enforce import apply_masks
 
     if mode == "full":
         return [p for p in model.parameters() if p.requires_grad], None, 0

@@ -1,6 +1,6 @@
 """The matched-budget outcome study (issue 22, item 2): one JSON, table and plot per training kind.
 
-Trains the run's objective with every method of ``fisher_select.training.outcomes`` (masks from
+Trains the run's objective with every method of ``fisher_select.studies.outcomes`` (masks from
 the bound, |g_hat|, single-batch |grad|, random, |theta| at each density; Spectrum's and
 KappaTune's modules; LoRA at equal trainable counts; SHiRA fisher vs random) and full fine-tuning,
 each at its own lr chosen on validation prompts, reported on held-out prompts. Hours on a CPU for
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fisher_select.errors import FisherSelectError
 from fisher_select.report.outcomes_section import outcome_table
-from fisher_select.training.outcomes import (KINDS, METHODS, OutcomeConfig, check_kind, keep_in_run, outcome_study,
+from fisher_select.studies.outcomes import (KINDS, METHODS, OutcomeConfig, check_kind, keep_in_run, outcome_study,
                                              write_outcomes)
 
 TIMING_FILE = "outcomes-calibration-seconds.json"  # written beside the run's files by --recipe

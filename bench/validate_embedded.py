@@ -1,7 +1,7 @@
 """The README's "Validation against training" table: calibrate the embedded default, then validate.
 
 For each training (RL or SFT from demonstrations, SGD or AdamW) this calibrates once (cached in
-``--runs``), runs ``fisher_select.training.validate`` and prints one table row: AUROC of the run's
+``--runs``), runs ``fisher_select.studies.validate`` and prints one table row: AUROC of the run's
 ranking for "moved" = the realized top 1% beside every baseline, the module aggregates' Spearman
 and the first-step check. Each validation's full ``validation.json`` and plots stay in the run dir.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from fisher_select.config import find_recipe, load_recipe
 from fisher_select.pipeline import run_recipe
 from fisher_select.rundir import load_run
-from fisher_select.training.validate import ValidationConfig, validate, validation_summary_lines
+from fisher_select.studies.validate import ValidationConfig, validate, validation_summary_lines
 
 RECIPES = {"rl": "rl-arithmetic", "sft": "sft-demonstrations"}
 COLUMNS = ("random", "magnitude", "single_batch_gradient", "second_seed", "spectrum_snr", "kappa")
@@ -58,7 +58,7 @@ def sft_setup_on(run_dir: Path, args):
     from fisher_select.config import build_objectives
     from fisher_select.calibration.prompts import load_prompts
     from fisher_select.models import load_model
-    from fisher_select.training.validate import Setup
+    from fisher_select.studies.validate import Setup
 
     run = load_run(run_dir)
     recipe = load_recipe(find_recipe(RECIPES["sft"]), {"num_prompts": run.report.num_prompts})

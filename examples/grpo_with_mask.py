@@ -39,7 +39,8 @@ from fisher_select.calibration.rewards import numeric_match  # noqa: E402
 from fisher_select.config import find_recipe, load_recipe  # noqa: E402
 from fisher_select.models import EMBEDDED_DEFAULT, load_model  # noqa: E402
 from fisher_select.outputs.lora import lora_config  # noqa: E402
-from fisher_select.outputs.masks import FisherMaskCallback, select_masks  # noqa: E402
+from fisher_select.outputs.masks import select_masks  # noqa: E402
+from fisher_select.training.callback import FisherMaskCallback  # noqa: E402
 from fisher_select.pipeline import run_recipe  # noqa: E402
 from fisher_select.rundir import load_run  # noqa: E402
 

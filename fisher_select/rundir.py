@@ -54,7 +54,7 @@ VALIDATION_GLOB = "validation-*/validation.json"
 VALIDATION_FILE = "validation.json"
 VALIDATION_PLOTS = {"bound": "bound_vs_movement.png", "curves": "precision_at_k.png",
                     "objective": "objective_per_step.png"}
-# The matched-budget outcome study (``training.outcomes``) inside a run directory: RUN/outcomes-<kind>/
+# The matched-budget outcome study (``studies.outcomes``) inside a run directory: RUN/outcomes-<kind>/
 OUTCOMES_DIR = "outcomes-{kind}"
 OUTCOMES_GLOB = "outcomes-*/outcomes.json"
 OUTCOMES_FILE = "outcomes.json"
@@ -72,7 +72,7 @@ MASK_SIDECAR_SUFFIX = ".json"
 LORA_CONFIG_FILE = "adapter_config.json"  # peft.utils.CONFIG_NAME (checked in the tests)
 LORA_PROVENANCE_FILE = "fisher_select_provenance.json"
 LORA_PROVENANCE_FORMAT = "fisher_select.lora_provenance/1"
-# A sparse delta directory (``outputs.sparse``): indices + values, provenance
+# A sparse delta directory (``training.sparse``): indices + values, provenance
 SPARSE_DELTA_FILE = "sparse_delta.safetensors"
 SPARSE_META_FILE = "sparse_delta.json"
 SPARSE_FORMAT = "fisher_select.sparse_delta/1"

@@ -24,6 +24,7 @@ FLOORS = [
     ("report and outputs", ["fisher_select.report", "fisher_select.outputs"]),
     ("run report", ["fisher_select.run_report"]),
     ("training", ["fisher_select.training"]),
+    ("studies", ["fisher_select.studies"]),
     ("pipeline", ["fisher_select.pipeline"]),
     ("interface", ["fisher_select.commands", "fisher_select.cli", "fisher_select.__main__", "fisher_select"]),
 ]

@@ -246,7 +246,7 @@ def test_cli_export_both_formats_and_refusals(tmp_path, capsys):
 
 def test_cli_export_sparse_delta_is_what_load_sparse_delta_trains(tmp_path, capsys):
     from fisher_select.outputs.masks import save_masks, select_masks
-    from fisher_select.outputs.sparse import load_sparse_delta
+    from fisher_select.training.sparse import load_sparse_delta
 
     model = tiny_model("llama-tied")
     run = run_over(model)

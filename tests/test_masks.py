@@ -7,7 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.outputs.masks import FisherMaskCallback, apply_masks, save_masks, select_masks
+from fisher_select.outputs.masks import save_masks, select_masks
+from fisher_select.training.callback import FisherMaskCallback
+from fisher_select.training.enforce import apply_masks
 from fisher_select.models import fingerprint
 from fisher_select.rundir import Run
 from tests import runs

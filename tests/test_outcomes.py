@@ -1,4 +1,4 @@
-"""The matched-budget outcome study (training.outcomes) on tiny models: every method's entry, the
+"""The matched-budget outcome study (studies.outcomes) on tiny models: every method's entry, the
 learning rate chosen on the validation split alone, and LoRA budgets matched on the adapted model."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
 from fisher_select.outputs.lora import lora_config, trainable_lora_parameters
 from fisher_select.report.outcomes_section import findings, load_outcomes, outcome_table
-from fisher_select.training.outcomes import (ADAPTER_METHODS, METHODS, MODULE_METHODS, OutcomeConfig, _Study,
+from fisher_select.studies.outcomes import (ADAPTER_METHODS, METHODS, MODULE_METHODS, OutcomeConfig, _Study,
                                              attention_modules, choose_lr, keep_in_run, outcome_study,
                                              write_outcomes)
-from fisher_select.training.validate import Setup
+from fisher_select.studies.validate import Setup
 from tests.runs import make_run, write_run_dir
 from tests.test_validate import DemoTokenizer, _prompts, _reward
 from tests.tiny import TinyTokenizer, tiny_model

@@ -20,7 +20,8 @@ from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from fisher_select.models import fingerprint
 from fisher_select.outputs.lora import lora_config, lora_hints
-from fisher_select.outputs.masks import FisherMaskCallback, save_masks, select_masks
+from fisher_select.outputs.masks import save_masks, select_masks
+from fisher_select.training.callback import FisherMaskCallback
 from tests import runs
 
 VOCAB = 64

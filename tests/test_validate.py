@@ -20,12 +20,12 @@ from fisher_select.engine.reference import brute_force_sums, per_sample_scores, 
 from fisher_select.errors import FisherSelectError
 from fisher_select.stats.ranking import top_count
 from fisher_select.stats.naming import module_of
-from fisher_select.training import baselines
-from fisher_select.training.loop import Streams, backward, make_task, pad_rows, token_weights
-from fisher_select.training.metrics import (Realized, Subsample, auroc, first_step_check, ranking_metrics,
+from fisher_select.studies import baselines
+from fisher_select.studies.loop import Streams, backward, make_task, pad_rows, token_weights
+from fisher_select.studies.metrics import (Realized, Subsample, auroc, first_step_check, ranking_metrics,
                                             spacing)
-from fisher_select.training.movement import bf16_lost, movement, snapshot
-from fisher_select.training.validate import (Setup, ValidationConfig, global_top_masks, minibatch_snr,
+from fisher_select.studies.movement import bf16_lost, movement, snapshot
+from fisher_select.studies.validate import (Setup, ValidationConfig, global_top_masks, minibatch_snr,
                                              recovered_share, row_score_sums, sgd_step, split_half_gradient,
                                              validate, validation_summary_lines)
 from tests import enumeration as en

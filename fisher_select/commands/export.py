@@ -87,7 +87,7 @@ def _write_sparse_delta(args: argparse.Namespace) -> int:
     """The selected coordinates as a sparse delta directory (zero deltas) for ``load_sparse_delta``."""
     from fisher_select.atomic import check_dir_target
     from fisher_select.outputs.masks import MaskSet, load_masks, select_masks
-    from fisher_select.outputs.sparse import empty_delta
+    from fisher_select.training.sparse import empty_delta
     from fisher_select.rundir import load_run
 
     if (args.mask is None) == (args.top is None):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fisher_select.commands import HELP, add_command
 
-OPTIMIZERS = ("sgd", "adamw")  # training.loop.OPTIMIZERS (a test checks they agree)
+OPTIMIZERS = ("sgd", "adamw")  # studies.loop.OPTIMIZERS (a test checks they agree)
 
 
 def register(subparsers) -> None:
@@ -48,7 +48,7 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     from fisher_select.run_report import regenerate
-    from fisher_select.training.validate import ValidationConfig, validate, validation_summary_lines
+    from fisher_select.studies.validate import ValidationConfig, validate, validation_summary_lines
 
     config = ValidationConfig(subsample=args.subsample, second_seed=not args.no_second_seed,
                                 first_step_prompts=args.first_step_prompts, eval_prompts=args.eval_prompts,

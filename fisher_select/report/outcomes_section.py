@@ -1,6 +1,6 @@
 """The report's "Outcomes at matched budgets" section: what the outcome study measured from this run.
 
-Read from ``RUN/outcomes-<kind>/outcomes.json`` (``training.outcomes.outcome_study``, written by
+Read from ``RUN/outcomes-<kind>/outcomes.json`` (``studies.outcomes.outcome_study``, written by
 ``bench/outcomes.py``): for each method at its budget, the share of full fine-tuning's held-out
 improvement it recovered, each at its own learning rate chosen on validation prompts. The
 findings say plainly where a simpler rule or PEFT's default matched or beat the bound's choice.

@@ -1,7 +1,7 @@
 """The report's "Validation" section: what `fisher-select validate` measured for this run.
 
 Read from ``RUN/validation-*/validation.json`` (one per validation, written by
-``fisher_select.training.validate``); report.md and report.html show one table row per
+``fisher_select.studies.validate``); report.md and report.html show one table row per
 validation and say plainly where the ranking did not predict realized movement.
 """
 

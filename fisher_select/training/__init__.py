@@ -1,10 +1,11 @@
-"""Validation against real training: a plain reference training loop, realized movement, and how
-well a run's ranking (and its peers' rules) predicts which coordinates move (`fisher-select validate`).
+"""Code that runs during a user's training: masks enforced on a model.
 
-- ``loop``: the seeded training loop and its tasks (on-policy objectives, SFT from demonstrations);
-- ``movement``: parameter snapshots and realized movement ``|theta_T - theta_0|`` in fp32;
-- ``metrics``: AUROC, precision/recall@k, Jaccard@k, Spearman on a seeded coordinate subsample;
-- ``baselines``: random, ``|theta|``, single-batch ``|grad|``, Spectrum's weight SNR, PEFT's KappaTune;
-- ``validate``: the orchestration behind ``validation.json``; ``plots``: its figures;
-- ``outcomes``: the matched-budget outcome study (``bench/outcomes.py``, docs/OUTCOMES.md).
+- ``enforce``: ``apply_masks`` (dense masked fine-tuning, ``MaskHandle``), ``sparse_fine_tune``,
+  ``resolve_masks``;
+- ``sparse``: sparse-delta fine-tuning (``SparseDeltaHandle``) and its delta files
+  (``load_sparse_delta``);
+- ``callback``: ``FisherMaskCallback`` for ``transformers.Trainer`` and TRL.
+
+Selecting masks and their file format are ``fisher_select.outputs.masks``; studies of a run
+against real training are ``fisher_select.studies``.
 """

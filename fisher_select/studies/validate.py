@@ -1,7 +1,7 @@
 """`fisher-select validate`: train for real from the calibration point and measure what moved.
 
 ``validate(run, steps, optimizer, lr, weight_decay, seed)`` loads the run's model (fp32 master
-weights) and recipe, trains with the run's primary objective (``training.loop``), records the
+weights) and recipe, trains with the run's primary objective (``studies.loop``), records the
 realized movement ``|theta_T - theta_0|`` of every coordinate in fp32 and scores the run's ranking
 (F; for one objective the bound ``sqrt(F S)`` ranks identically) against it, beside baselines on
 the same subsample of coordinates: random, ``|theta|``, one batch's ``|grad|``, Spectrum's weight SNR,
@@ -36,11 +36,11 @@ from fisher_select.rundir import VALIDATION_FILE, VALIDATION_PLOTS, Run, coordin
 from fisher_select.stats.correlation import spearman
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
-from fisher_select.training import baselines, plots
-from fisher_select.training.loop import Streams, TrainConfig, backward, make_task, pad_rows, token_weights, train
-from fisher_select.training.metrics import (QUANTILES, TOP_K, Realized, Subsample, auroc, first_step_check,
+from fisher_select.studies import baselines, plots
+from fisher_select.studies.loop import Streams, TrainConfig, backward, make_task, pad_rows, token_weights, train
+from fisher_select.studies.metrics import (QUANTILES, TOP_K, Realized, Subsample, auroc, first_step_check,
                                             moved_mask, ranking_metrics, selection_metrics)
-from fisher_select.training.movement import LazyMovement, bf16_lost, gradients, load_snapshot, movement, snapshot
+from fisher_select.studies.movement import LazyMovement, bf16_lost, gradients, load_snapshot, movement, snapshot
 
 # Offsets of the random streams derived from the seed (each use gets its own, all reproducible).
 FIRST_STEP_STREAM, SINGLE_BATCH_STREAM, EVAL_STREAM, METRIC_STREAM, MASK_STREAM = (
@@ -58,7 +58,7 @@ class ValidationConfig:
     eval_prompts: int = 8  # held-out prompts after the calibration's, for the training outcome
     mask_densities: tuple[float, ...] = ()  # masked fine-tuning: fisher / random / magnitude at these, + Spectrum
     mask_seeds: int = 1  # masked fine-tuning repeated over seeds seed .. seed + n - 1: its spread over seeds
-    sparse_masks: bool = False  # masked fine-tuning through the sparse-delta mode (outputs.sparse), as users run it
+    sparse_masks: bool = False  # masked fine-tuning through the sparse-delta mode (training.sparse), as users run it
     adam_aware: bool = True
 
 
@@ -304,7 +304,7 @@ class _Validation:
         spectrum = {n: torch.full(t.shape, module_of(n) in chosen) for n, t in self.theta0.items()}
         runs.append(self._mask_runs("spectrum", lambda s: spectrum, seeds, before, full))
         return {"before": before, "full_fine_tuning": main["after"], "seed": self.settings.seed, "seeds": seeds,
-                "mode": "sparse delta (outputs.sparse)" if self.options.sparse_masks else "dense (apply_masks)",
+                "mode": "sparse delta (training.sparse)" if self.options.sparse_masks else "dense (apply_masks)",
                 "full_fine_tuning_per_seed": [full[s] for s in seeds],
                 "recovered": "(after_mask - before) / (after_full - before) of the held-out objective, per seed "
                              "against full fine-tuning with the same seed; 'after' and 'recovered' are means over seeds",

@@ -30,7 +30,7 @@ from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.sampling import eos_ids_of, pad_id_of, pad_rows, sample_responses
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.errors import FisherSelectError
-from fisher_select.outputs.masks import apply_masks
+from fisher_select.training.enforce import apply_masks
 
 OPTIMIZERS = ("sgd", "adamw")
 

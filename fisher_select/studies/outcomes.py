@@ -1,6 +1,6 @@
 """The matched-budget outcome study: how much of full fine-tuning's held-out gain each selection recovers.
 
-``outcome_study(run, OutcomeConfig(...))`` trains the run's objective (``training.loop``) from the
+``outcome_study(run, OutcomeConfig(...))`` trains the run's objective (``studies.loop``) from the
 calibration point with every method of ``METHODS`` and full fine-tuning as the reference:
 
 - masks at each density from the bound (F ranks as ``sqrt(F S)``), from ``|g_hat|`` (the run's own
@@ -44,10 +44,10 @@ from fisher_select.rundir import (OUTCOMES_FILE, OUTCOMES_PLOT, Run, load_run, l
                                   write_json)
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
-from fisher_select.training import baselines, plots
-from fisher_select.training.loop import OnPolicyTask, Streams, TrainConfig, backward, make_task, train
-from fisher_select.training.movement import gradients, load_snapshot, snapshot
-from fisher_select.training.validate import EVAL_STREAM, MASK_STREAM, Setup, load_setup, recovered_share
+from fisher_select.studies import baselines, plots
+from fisher_select.studies.loop import OnPolicyTask, Streams, TrainConfig, backward, make_task, train
+from fisher_select.studies.movement import gradients, load_snapshot, snapshot
+from fisher_select.studies.validate import EVAL_STREAM, MASK_STREAM, Setup, load_setup, recovered_share
 
 MASK_METHODS = ("bound", "grad_estimate", "single_batch_grad", "random", "magnitude")  # at each density
 MODULE_METHODS = ("spectrum", "kappatune")  # at their own share
@@ -73,7 +73,7 @@ class OutcomeConfig:
     methods: tuple[str, ...] = METHODS
     validation_prompts: int = 8  # chooses the lr
     heldout_prompts: int = 8  # reported
-    sparse: bool = True  # masks through the sparse-delta mode (outputs.sparse)
+    sparse: bool = True  # masks through the sparse-delta mode (training.sparse)
     lora_mean_rank: int = 8  # lora_config's rank budget per target
     shira_r: int = 32
     prompts_per_step: int = 8
