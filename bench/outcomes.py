@@ -84,7 +84,7 @@ def calibration_seconds(args) -> float | None:
     if not (run / "report.json").is_file():
         if not args.recipe:
             raise FisherSelectError(f"{run} holds no run (report.json); calibrate it, or pass --recipe")
-        from fisher_select.config import find_recipe, load_recipe
+        from fisher_select.recipe import find_recipe, load_recipe
         from fisher_select.pipeline import run_recipe
 
         started = time.time()

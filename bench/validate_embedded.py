@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from fisher_select.config import find_recipe, load_recipe
+from fisher_select.recipe import find_recipe, load_recipe
 from fisher_select.pipeline import run_recipe
 from fisher_select.rundir import load_run
 from fisher_select.studies.validate import ValidationConfig, validate, validation_summary_lines
@@ -55,7 +55,7 @@ def sft_setup_on(run_dir: Path, args):
     calibration prompts; more, so that a step is a minibatch and not every demonstration), the
     held-out set the ``--eval-prompts`` after them.
     """
-    from fisher_select.config import build_objectives
+    from fisher_select.recipe import build_objectives
     from fisher_select.calibration.prompts import load_prompts
     from fisher_select.models import load_model
     from fisher_select.studies.validate import Setup

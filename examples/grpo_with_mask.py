@@ -36,7 +36,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fisher_select.calibration.prompts import PromptRecord, load_prompts  # noqa: E402
 from fisher_select.calibration.rewards import numeric_match  # noqa: E402
-from fisher_select.config import find_recipe, load_recipe  # noqa: E402
+from fisher_select.recipe import find_recipe, load_recipe  # noqa: E402
 from fisher_select.models import EMBEDDED_DEFAULT, load_model  # noqa: E402
 from fisher_select.outputs.lora import lora_config  # noqa: E402
 from fisher_select.outputs.masks import select_masks  # noqa: E402

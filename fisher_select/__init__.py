@@ -8,7 +8,7 @@ from fisher_select.version import __version__
 
 _LAZY = {
     "Calibration": "fisher_select.calibration.calibrator",
-    "CalibrationConfig": "fisher_select.calibration.settings",
+    "CalibrationConfig": "fisher_select.calibration.config",
     "calibrate": "fisher_select.calibration.calibrator",
     "Objective": "fisher_select.calibration.objectives",
     "RLObjective": "fisher_select.calibration.objectives",
@@ -34,7 +34,7 @@ _LAZY = {
     "sparse_fine_tune": "fisher_select.training.enforce",
     "SparseDeltaHandle": "fisher_select.training.sparse",
     "load_sparse_delta": "fisher_select.training.sparse",
-    "LoraHintConfig": "fisher_select.outputs.settings",
+    "LoraHintConfig": "fisher_select.outputs.config",
     "LoraHints": "fisher_select.outputs.lora",
     "lora_hints": "fisher_select.outputs.lora",
     "lora_config": "fisher_select.outputs.lora",

@@ -13,8 +13,8 @@ from fisher_select.calibration.checkpoint import finish as finish_checkpoint
 from fisher_select.calibration import fsdp
 from fisher_select.calibration.prompts import load_prompts
 from fisher_select.calibration.rollouts import load_rollouts
-from fisher_select.calibration.settings import SamplingConfig
-from fisher_select.config import RecipeConfig, build_objectives, recipe_to_dict
+from fisher_select.calibration.config import SamplingConfig
+from fisher_select.recipe import RecipeConfig, build_objectives, recipe_to_dict
 from fisher_select.errors import DegenerateResultWarning
 from fisher_select.distributed import init_from_env, rank_world
 from fisher_select.models import fingerprint, load_model

@@ -20,7 +20,7 @@ FLOORS = [
     ("model names", ["fisher_select.model_names"]),
     ("models", ["fisher_select.models"]),
     ("calibration", ["fisher_select.calibration"]),
-    ("recipes", ["fisher_select.config"]),
+    ("recipes", ["fisher_select.recipe"]),
     ("report and outputs", ["fisher_select.report", "fisher_select.outputs"]),
     ("run report", ["fisher_select.run_report"]),
     ("training", ["fisher_select.training"]),

@@ -230,7 +230,7 @@ def test_calibrate_flags_are_generated_from_the_recipe_fields():
     import dataclasses
     import typing
 
-    from fisher_select.config import RecipeConfig
+    from fisher_select.recipe import RecipeConfig
     from fisher_select.fields import field_help, scalar_type
 
     actions = {a.dest: a for a in _subparser("calibrate")._actions}

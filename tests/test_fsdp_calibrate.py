@@ -26,7 +26,7 @@ from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.checkpoint import CheckpointConfig
 from fisher_select.calibration.objectives import RLObjective
 from fisher_select.calibration.prompts import PromptRecord
-from fisher_select.calibration.settings import CalibrationConfig
+from fisher_select.calibration.config import CalibrationConfig
 from fisher_select.errors import FisherSelectError
 from tests.tiny import TinyTokenizer, free_port, tiny_model
 

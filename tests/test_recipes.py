@@ -12,7 +12,7 @@ import torch
 
 from fisher_select.calibration.calibrator import calibrate
 from fisher_select.commands import recipes as recipes_command
-from fisher_select.config import build_objectives, load_recipe, recipes_dir
+from fisher_select.recipe import build_objectives, load_recipe, recipes_dir
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import EMBEDDED_DEFAULT
 from fisher_select.calibration.prompts import load_prompts
@@ -216,8 +216,8 @@ def test_recipe_defaults_are_the_calibration_settings():
     import dataclasses
     import inspect
 
-    from fisher_select.calibration.settings import CalibrationConfig
-    from fisher_select.config import RecipeConfig
+    from fisher_select.calibration.config import CalibrationConfig
+    from fisher_select.recipe import RecipeConfig
 
     recipe = {f.name: f for f in dataclasses.fields(RecipeConfig)}
     assert issubclass(RecipeConfig, CalibrationConfig)  # declared once: the recipe inherits the fields
@@ -232,7 +232,7 @@ def test_every_recipe_field_has_help():
 
     from fisher_select.calibration.sampling import SamplingConfig
     from fisher_select.calibration.teachers import TeacherConfig
-    from fisher_select.config import RecipeConfig
+    from fisher_select.recipe import RecipeConfig
     from fisher_select.fields import field_help
 
     for cls in (RecipeConfig, SamplingConfig, TeacherConfig):
@@ -244,7 +244,7 @@ def test_every_recipe_field_has_help():
 def test_recipes_show_yaml_is_the_resolved_configuration_with_help(path):
     import yaml
 
-    from fisher_select.config import commented_yaml, recipe_to_dict
+    from fisher_select.recipe import commented_yaml, recipe_to_dict
 
     recipe = load_recipe(path)
     text = commented_yaml(recipe)
@@ -253,7 +253,7 @@ def test_recipes_show_yaml_is_the_resolved_configuration_with_help(path):
 
 
 def test_recipes_fields_prints_the_committed_reference(capsys):
-    from fisher_select.config import REGENERATE, recipe_reference
+    from fisher_select.recipe import REGENERATE, recipe_reference
 
     args = _cli("recipes", "fields")
     assert args.func(args) == 0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fisher_select.config import load_recipe
+from fisher_select.recipe import load_recipe
 from fisher_select.pipeline import run_recipe
 from fisher_select.report.text import run_summary_lines
 from fisher_select.rundir import load_run

@@ -27,7 +27,7 @@ from fisher_select.engine.memory import MemoryMode
 from fisher_select.errors import DegenerateResultWarning, FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.calibration.objectives import Context, Group, GroupSignal, Objective, ScoringRow
-from fisher_select.calibration.settings import CalibrationConfig, SamplingConfig
+from fisher_select.calibration.config import CalibrationConfig, SamplingConfig
 from fisher_select.calibration import fsdp
 from fisher_select.calibration.budget import check_memory, estimate_memory, sampling_rows
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.calibration.settings import SamplingConfig  # noqa: F401  (its former home: imports still work)
+from fisher_select.calibration.config import SamplingConfig  # noqa: F401  (its former home: imports still work)
 from fisher_select.engine.logprob import position_ids_from_mask
 
 

@@ -25,7 +25,7 @@ from fisher_select.engine.logprob import forward_logits
 from fisher_select.models import load_model
 from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.sampling import left_pad
-from fisher_select.calibration.settings import SELF, TeacherConfig
+from fisher_select.calibration.config import SELF, TeacherConfig
 
 
 @dataclass

@@ -6,7 +6,7 @@ import sys
 
 from fisher_select.commands import HELP
 
-from fisher_select.config import RecipeConfig, find_recipe, load_recipe
+from fisher_select.recipe import RecipeConfig, find_recipe, load_recipe
 from fisher_select.fields import add_dataclass_arguments
 
 

@@ -15,7 +15,7 @@ from fisher_select.commands import HELP, add_command
 from fisher_select.commands.lora import PICK_FLAGS, RANK_FLAGS, add_lora_arguments, hint_kwargs, write_lora
 from fisher_select.errors import FisherSelectError
 from fisher_select.fields import add_dataclass_arguments
-from fisher_select.outputs.settings import UnfreezeConfig
+from fisher_select.outputs.config import UnfreezeConfig
 
 FORMATS = ("axolotl", "peft", "sparse-delta")
 AXOLOTL_FLAGS = ("bound_mass", "top_modules", "objective")

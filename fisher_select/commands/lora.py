@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fisher_select.caveats import MASK_CAVEAT
 from fisher_select.fields import add_dataclass_arguments
-from fisher_select.outputs.settings import LoraHintConfig
+from fisher_select.outputs.config import LoraHintConfig
 
 SNIPPET = """\
 # apply in Python: plain PEFT reads the directory as any adapter config ...

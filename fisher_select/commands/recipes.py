@@ -14,7 +14,7 @@ from fisher_select.commands import HELP
 import argparse
 from pathlib import Path
 
-from fisher_select.config import (check_objective_files, commented_yaml, find_recipe, load_recipe, recipe_reference,
+from fisher_select.recipe import (check_objective_files, commented_yaml, find_recipe, load_recipe, recipe_reference,
                                   recipe_to_dict, recipes_dir)
 from fisher_select.errors import FisherSelectError
 

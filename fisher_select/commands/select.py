@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from fisher_select.caveats import MASK_CAVEAT
-from fisher_select.outputs.settings import SCORES
+from fisher_select.outputs.config import SCORES
 
 SUMMARY_MODULES = 15  # modules the summary lists without --all
 

@@ -38,8 +38,8 @@ from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
 from fisher_select.outputs.lora import refuse_unmatched
-from fisher_select.outputs.settings import DEFAULT_BOUND_MASS
-from fisher_select.outputs.settings import UnfreezeConfig  # noqa: F401  (its former home: imports still work)
+from fisher_select.outputs.config import DEFAULT_BOUND_MASS
+from fisher_select.outputs.config import UnfreezeConfig  # noqa: F401  (its former home: imports still work)
 from fisher_select.rundir import Run, load_run
 from fisher_select.stats.naming import module_of
 

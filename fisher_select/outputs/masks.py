@@ -45,7 +45,7 @@ from safetensors import safe_open
 from fisher_select.atomic import refuse_existing, write_file
 from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
-from fisher_select.outputs.settings import SCORES
+from fisher_select.outputs.config import SCORES
 from fisher_select.rundir import MASK_FORMAT, Run, load_run, save_tensors, sidecar_path
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import nonnegative, top_count, top_units

@@ -28,7 +28,7 @@ import torch
 from fisher_select.atomic import check_dir_target, write_dir
 from fisher_select.calibration.objectives.base import Context, Objective
 from fisher_select.calibration.prompts import PromptRecord, load_prompts
-from fisher_select.config import build_objectives, parse_recipe
+from fisher_select.recipe import build_objectives, parse_recipe
 from fisher_select.engine.scoring import plan_coverage, score_sums
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint, load_model

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from fisher_select.calibration.objectives.configs import About
+from fisher_select.calibration.objectives.config import About
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fisher_select.calibration.objectives.configs import OPD_FULL, OPD_PG, OPDFullConfig, OPDPGConfig
+from fisher_select.calibration.objectives.config import OPD_FULL, OPD_PG, OPDFullConfig, OPDPGConfig
 from fisher_select.errors import FisherSelectError
 from fisher_select.calibration.objectives.teacher_based import TeacherObjective
 from fisher_select.calibration.teachers import Teacher, TeacherConfig, token_tables

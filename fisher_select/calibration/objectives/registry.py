@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from fisher_select.calibration.objectives.configs import OPDFullConfig, OPDPGConfig, RLConfig, SFTConfig
+from fisher_select.calibration.objectives.config import OPDFullConfig, OPDPGConfig, RLConfig, SFTConfig
 
 _HERE = "fisher_select.calibration.objectives"
 # type name -> (config dataclass, builder(config, recipe_dir) -> Objective, or its "module:function")

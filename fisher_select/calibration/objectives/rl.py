@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fisher_select.calibration.objectives.configs import RL, RL_GRPO, RLConfig
+from fisher_select.calibration.objectives.config import RL, RL_GRPO, RLConfig
 from fisher_select.calibration.rewards import evaluate_reward, make_reward
 from fisher_select.calibration.rollouts import given_values
 from fisher_select.calibration.objectives.base import Context, Group, GroupSignal, Objective, leave_one_out, unbiased_variance

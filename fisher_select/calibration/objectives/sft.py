@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fisher_select.calibration.objectives.configs import SFT, SFT_DEMONSTRATIONS, SFTConfig
+from fisher_select.calibration.objectives.config import SFT, SFT_DEMONSTRATIONS, SFTConfig
 from fisher_select.errors import FisherSelectError
 from fisher_select.calibration.prompts import PromptRecord, load_demonstrations, render_prompt
 from fisher_select.calibration.objectives.teacher_based import TeacherObjective

@@ -1,4 +1,4 @@
-"""The calibration settings ``calibrate()`` takes and a recipe sets: defaults and help, once.
+"""The calibration configs ``calibrate()`` takes and a recipe sets: defaults and help, once.
 
 ``RecipeConfig`` inherits these fields (a recipe's top-level keys), ``calibrate`` takes the config
 whole, and the CLI's flags are generated from the same fields. The sampling keys

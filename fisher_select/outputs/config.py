@@ -1,4 +1,4 @@
-"""The settings of the outputs a command's flags set: how LoRA targets and axolotl's modules are chosen.
+"""The configs of the outputs a command's flags set: how LoRA targets and axolotl's modules are chosen.
 
 Defaults and help once, in the fields (``fisher_select.fields``), and without torch or PEFT, so
 the flags of ``lora`` and ``export`` (their help and their errors) answer without loading them.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fisher_select.calibration.prompts import load_demonstrations
 from fisher_select.calibration.rewards import make_reward
-from fisher_select.calibration.settings import TeacherConfig
+from fisher_select.calibration.config import TeacherConfig
 from fisher_select.errors import FisherSelectError
 from fisher_select.fields import build_dataclass
 

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from fisher_select.calibration.objectives.registry import OBJECTIVE_TYPES, build_objective, type_of
-from fisher_select.calibration.settings import CalibrationConfig, SamplingConfig, TeacherConfig
+from fisher_select.calibration.config import CalibrationConfig, SamplingConfig, TeacherConfig
 from fisher_select.errors import FisherSelectError
 from fisher_select.model_names import DTYPE_NAMES, EMBEDDED_DEFAULT, QUANTIZATIONS
 from fisher_select.fields import build_dataclass, describe_field, fields_table
