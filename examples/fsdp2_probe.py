@@ -2,8 +2,8 @@
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 2 examples/fsdp2_probe.py
 
-Run from the checkout root (it builds the tiny Llama of ``tests/tiny.py``). Three checks, each rank
-printing its own lines (docs/SCALING.md records the output and what it means):
+It builds its own tiny Llama (the ``llama-untied`` / ``llama-tied`` models of the test suite, same
+seed and weights) and batch, so it runs from anywhere. Four checks, each rank printing its own lines (docs/SCALING.md records the output and what it means):
 
 1. training gradients of the sharded model equal a single process's (every rank, same batch);
 2. today's ``score_sums`` on the sharded model, each rank scoring its own rows: the accumulators
@@ -18,19 +18,42 @@ printing its own lines (docs/SCALING.md records the output and what it means):
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, os.getcwd())  # tests.tiny from the checkout
-from tests.tiny import random_batch, tiny_model  # noqa: E402
+from fisher_select.engine.scoring import score_sums
+from fisher_select.engine.sharded import score_sums_sharded
 
-from fisher_select.engine.scoring import score_sums  # noqa: E402
-from fisher_select.engine.sharded import score_sums_sharded  # noqa: E402
+
+def tiny_model(name: str) -> LlamaForCausalLM:
+    """A 2-layer Llama (hidden 16, vocab 64), head tied or not, weights perturbed by seeded noise."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, tie_word_embeddings=name == "llama-tied", eos_token_id=1,
+                         bos_token_id=None, pad_token_id=1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(0.1 * torch.randn_like(weight))
+    return model.eval()
+
+
+def random_batch(batch: int, length: int = 10):
+    """ids, attention mask, response mask (B, T) and a signal (B,); rows 1 and 2 left-padded by 3 and 1."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 64, (batch, length), generator=gen)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = attn[2, :1] = 0
+    ids[attn == 0] = 1  # the pad id
+    resp = torch.arange(length).expand(batch, length) > length // 2
+    resp = resp.clone()
+    resp[-1, -1] = False  # one row with a shorter response
+    return ids, attn, resp, torch.randn(batch, generator=gen)
 
 
 def sharded(mesh, name="llama-untied"):

@@ -145,10 +145,11 @@ def test_bound_mass_rule_is_the_smallest_set_of_the_sum_of_sqrt_f(q):
     assert got.meta["rule"]["name"] == "bound_mass"
 
 
-def test_the_old_mass_flag_names_its_two_successors(tmp_path):
+def test_the_old_mass_flag_is_gone(tmp_path, capsys):
     run_dir = write_run_dir(make_run(continuous_fisher()), tmp_path / "run")
-    with pytest.raises(FisherSelectError, match="--fisher-mass Q.*--bound-mass Q"):
-        run_command(["select", str(run_dir), "--mass", "0.5", "--out", str(tmp_path / "m.safetensors")])
+    with pytest.raises(SystemExit):  # argparse: an unknown argument, no hidden flag kept to refuse it
+        run_command(["select", str(run_dir), "--top", "0.5", "--mass", "0.5", "--out", str(tmp_path / "m.safetensors")])
+    assert "unrecognized arguments: --mass 0.5" in capsys.readouterr().err
 
 
 def test_mass_one_skips_zero_fisher():

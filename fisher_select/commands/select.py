@@ -27,7 +27,6 @@ def register(subparsers) -> None:
                       help="smallest set of coordinates holding fraction Q of the Fisher mass (sum of F)")
     rule.add_argument("--bound-mass", type=float, metavar="Q",
                       help="smallest set of coordinates holding fraction Q of the bound mass (sum of sqrt(F))")
-    rule.add_argument("--mass", type=float, metavar="Q", help=argparse.SUPPRESS)  # renamed: refused with a hint
     rule.add_argument("--threshold", type=float, metavar="TAU",
                       help="coordinates whose bound sqrt(F*S) exceeds TAU (needs a known S)")
     p.add_argument("--per-module", action="store_true",
@@ -47,13 +46,9 @@ def register(subparsers) -> None:
 
 def run_select(args: argparse.Namespace) -> int:
     from fisher_select.atomic import refuse_existing
-    from fisher_select.errors import FisherSelectError
     from fisher_select.outputs.masks import save_masks, select_masks
     from fisher_select.rundir import sidecar_path
 
-    if args.mass is not None:
-        raise FisherSelectError("--mass was two quantities in one word and is gone: pass --fisher-mass Q (a share "
-                                "of the sum of F, what --mass meant) or --bound-mass Q (a share of the sum of sqrt(F))")
     out = Path(args.out)
     refuse_existing([out, sidecar_path(out)], args.overwrite)  # before the (possibly long) selection
     maskset = select_masks(

@@ -1,6 +1,6 @@
 """Objectives share the model Fisher and differ only in their signal a(x, y) and its scale.
 
-Every name below is imported on first use (PEP 562): reading a recipe imports ``configs`` and
+Every name below is imported on first use (PEP 562): reading a recipe imports ``config`` and
 ``registry`` of this package, which need no torch, and so loads none of the objectives.
 """
 

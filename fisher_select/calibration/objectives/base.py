@@ -14,10 +14,10 @@ configuration plus pure methods (reusable across calibrations):
   with its own scoring path (SFT from demonstrations), and what their mean score gives.
 
 What an objective is in words (formulas, data needs, caveats) is its ``about``, an ``About`` from
-``configs``, beside its config dataclass: both without torch, so a recipe is read and explained
+``config``, beside its config dataclass: both without torch, so a recipe is read and explained
 without loading it. A new objective: a subclass, its Statistics (if it needs more than the scale
-terms), an ``About`` and a config dataclass whose ``about()`` returns it, and a
-``register_objective`` call.
+terms), an ``About`` and a config dataclass whose ``about()`` returns it, and an entry in
+``registry.OBJECTIVE_TYPES``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Objective types by recipe name: each type's config dataclass and the builder of its objective.
 
-Reading, checking and explaining a recipe needs only the config dataclasses (``configs``, no
+Reading, checking and explaining a recipe needs only the config dataclasses (``config``, no
 torch); the built-in objectives' modules need torch, so their builders are named here as
 ``module:function`` and imported by ``build_objective`` when an objective is built.
 """
@@ -20,10 +20,6 @@ OBJECTIVE_TYPES: dict[str, tuple[type, Callable | str]] = {
     "opd-full": (OPDFullConfig, f"{_HERE}.distill:build_opd_full"),
     "sft": (SFTConfig, f"{_HERE}.sft:build_sft"),
 }
-
-
-def register_objective(type_name: str, config_cls: type, builder: Callable | str) -> None:
-    OBJECTIVE_TYPES[type_name] = (config_cls, builder)
 
 
 def type_of(cfg) -> str:
