@@ -14,11 +14,11 @@ demo:
 
 test:
 	bash scripts/setup.sh --test
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadfile --durations=15
 
 test-fast:
 	[ -x $(BIN)/pytest ] || bash scripts/setup.sh --test
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 -m "not slow"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadfile --durations=15 -m "not slow"
 
 bench:
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_engine.py
