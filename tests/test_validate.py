@@ -25,9 +25,9 @@ from fisher_select.studies.loop import Streams, backward, make_task, pad_rows, t
 from fisher_select.studies.metrics import (Realized, Subsample, auroc, first_step_check, ranking_metrics,
                                             spacing)
 from fisher_select.studies.movement import bf16_lost, movement, snapshot
-from fisher_select.studies.validate import (Setup, ValidationConfig, global_top_masks, minibatch_snr,
-                                             recovered_share, row_score_sums, sgd_step, split_half_gradient,
-                                             validate, validation_summary_lines)
+from fisher_select.studies.first_step import minibatch_snr, row_score_sums, sgd_step, split_half_gradient
+from fisher_select.studies.validate import (Setup, ValidationConfig, global_top_masks, recovered_share, validate,
+                                             validation_summary_lines)
 from tests import enumeration as en
 from tests.runs import make_run
 from tests.tiny import TinyTokenizer, tiny_model

@@ -29,7 +29,6 @@ from fisher_select.atomic import check_dir_target, write_dir
 from fisher_select.calibration.objectives.base import Context, Objective
 from fisher_select.calibration.prompts import PromptRecord, load_prompts
 from fisher_select.recipe import build_objectives, parse_recipe
-from fisher_select.engine.scoring import plan_coverage, score_sums
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint, load_model
 from fisher_select.rundir import VALIDATION_FILE, VALIDATION_PLOTS, Run, coordinate_bound, load_run, validation_dir
@@ -37,15 +36,15 @@ from fisher_select.stats.correlation import spearman
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
 from fisher_select.studies import baselines, plots
-from fisher_select.studies.loop import Streams, TrainConfig, backward, make_task, pad_rows, token_weights, train
-from fisher_select.studies.metrics import (QUANTILES, TOP_K, Realized, Subsample, auroc, first_step_check,
-                                            moved_mask, ranking_metrics, selection_metrics)
+from fisher_select.studies.first_step import minibatch_snr, row_score_sums, sgd_step, split_half_gradient
+from fisher_select.studies.loop import Streams, TrainConfig, backward, make_task, train
+from fisher_select.studies.metrics import TOP_K, Realized, Subsample, first_step_check, ranking_metrics
 from fisher_select.studies.movement import LazyMovement, bf16_lost, gradients, load_snapshot, movement, snapshot
+from fisher_select.studies.rankings import CURVE_FRACTIONS, Reduced, Rankings, auroc_by_step, reduce
 
 # Offsets of the random streams derived from the seed (each use gets its own, all reproducible).
 FIRST_STEP_STREAM, SINGLE_BATCH_STREAM, EVAL_STREAM, METRIC_STREAM, MASK_STREAM = (
     1_000_003, 1_000_033, 1_000_037, 1_000_039, 1_000_081)
-CURVE_FRACTIONS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
 
 
 @dataclass
@@ -80,25 +79,6 @@ class ValidationResult:
     report: dict  # validation.json
     figures: dict  # data of the plots
     out: Path | None = None
-
-
-@dataclass
-class Reduced:
-    """A parameter-shaped quantity reduced to what the metrics use: the subsample and module sums."""
-
-    sub: torch.Tensor  # (M,) fp32
-    modules: dict[str, float]  # module -> sum over its coordinates (fp64)
-
-
-def reduce(tensors: dict[str, torch.Tensor], sub: Subsample, transform=None) -> Reduced:
-    """Subsample values and per-module sums of ``transform(tensor)`` (default: the tensor)."""
-    modules: dict[str, float] = {}
-    values = {}
-    for name, t in tensors.items():
-        v = t if transform is None else transform(t)
-        values[name] = v
-        modules[module_of(name)] = modules.get(module_of(name), 0.0) + float(v.double().sum())
-    return Reduced(sub.take(values), modules)
 
 
 def validate(run, steps: int, optimizer: str = "sgd", lr: float = 1e-4, weight_decay: float = 0.0, seed: int = 0,
@@ -349,8 +329,9 @@ class _Validation:
         rho_root = spearman([root.modules[m] for m in modules], target)
         rho_mass = spearman([fisher.modules[m] for m in modules], target)
         chosen = "sum_sqrt_fisher" if (rho_root or -2) >= (rho_mass or -2) else "sum_fisher"
-        curves = {"fisher": curve}
-        base = self._baselines(moved, modules, target, single, second, seed, curves)
+        rankings = Rankings(self.sub, self.realized, moved, seed, {"fisher": curve})
+        curves = rankings.curves
+        base = rankings.baselines(self.theta0, self.model, single, second)
         report = {
             "run_id": self.run.run_id, "model": self.run.report.model.name,
             "objective": {"name": self.setup.objective.name, "type": self.setup.objective.kind},
@@ -369,13 +350,13 @@ class _Validation:
                                             "(sum of |delta| over the module's coordinates)"},
             "module_table": [{"module": m, "sum_fisher": fisher.modules[m], "sum_sqrt_fisher": root.modules[m],
                               "movement": moved.modules[m]} for m in modules],
-            "auroc_by_step": self._by_step(fisher.sub, main["by_step"]),
+            "auroc_by_step": auroc_by_step(fisher.sub, main["by_step"]),
             "first_step_violation_rate": first.get("violation_rate"), "first_step": first,
             "training_outcome": self._outcome(main, second, before, masked),
             "baselines": base,
-            "adam_aware": self._adam_entry(adam, moved, modules, target, seed, curves),
+            "adam_aware": rankings.adam(adam),
             "movement_summary": {"main": main["summary"], "second_seed": second["summary"] if second else None},
-            "caveats": self._caveats(),
+            "caveats": _caveats(self.run, self.setup, self.settings, self.logs),
         }
         scale, _ = self._scale()
         bound_sub = coordinate_bound({"x": fisher.sub}, scale)["x"]
@@ -384,90 +365,6 @@ class _Validation:
                    "bound_label": "bound sqrt(F S)" if scale_known else "sqrt(F) (S unknown)",
                    "outcome_label": self.task.outcome_name}
         return report, figures
-
-    @staticmethod
-    def _by_step(scores: torch.Tensor, by_step: list[torch.Tensor]) -> dict:
-        """The ranking's AUROC against the movement after each step (moved: above the q-quantile)."""
-        return {"meaning": "AUROC of the run's ranking for 'moved more than the q-quantile' against the "
-                           "movement after steps 1..N of the main run (how the prediction drifts with steps)",
-                **{f"q{q}": [auroc(scores, moved_mask(m, q)) if float(m.max()) > 0 else None for m in by_step]
-                   for q in QUANTILES}}
-
-    def _entry(self, scores: torch.Tensor, module_scores: dict, moved: Reduced, modules, target, seed, how: str,
-               curves: dict, label: str) -> dict:
-        metrics, curves[label] = ranking_metrics(scores, self.realized, seed + 1, CURVE_FRACTIONS)
-        entry = {"how": how, **metrics, "spearman_modules": spearman([module_scores.get(m, 0.0) for m in modules],
-                                                                      target)}
-        if scores.numel() and bool((scores == scores[0]).all()):  # e.g. a zero gradient: no ranking at all
-            entry["degenerate"] = ("every score is equal (e.g. a batch without signal gives a zero gradient): this "
-                                   "ranking is random tie-breaking, its metrics are chance by construction")
-        return entry
-
-    def _baselines(self, moved, modules, target, single, second, seed, curves) -> dict:
-        names, sub = self.sub.names, self.sub
-        numel: dict[str, float] = {}
-        for n, t in self.theta0.items():
-            numel[module_of(n)] = numel.get(module_of(n), 0.0) + t.numel()
-        out = {"random": self._entry(baselines.random_scores(sub.size, seed), numel, moved, modules, target,
-                                     seed, "uniform random scores (a random mask of the same density); module "
-                                           "aggregate: module size", curves, "random")}
-        mag = reduce(self.theta0, sub, torch.abs)
-        out["magnitude"] = self._entry(mag.sub, mag.modules, moved, modules, target, seed,
-                                       "|theta| at the start; module aggregate: sum of |theta|", curves, "magnitude")
-        out["single_batch_gradient"] = self._entry(
-            single.sub, single.modules, moved, modules, target, seed,
-            "|gradient| of one training-size batch at the start (its own samples); module aggregate: sum", curves,
-            "single-batch |grad|")
-        out["spectrum_snr"] = self._spectrum(names, moved, modules, target, seed, curves)
-        out["kappa"] = self._kappa(names, moved, modules, target, seed, curves)
-        if second is not None:
-            out["second_seed"] = self._entry(second["moved"].sub, second["moved"].modules, moved, modules, target,
-                                             seed, f"realized |delta| of a second run with seed {second['seed']} "
-                                                   "(the ceiling: how well one run predicts another)",
-                                             curves, "second seed")
-        else:
-            out["second_seed"] = {"unavailable": "not run (second_seed=False)"}
-        return out
-
-    def _spectrum(self, names, moved, modules, target, seed, curves) -> dict:
-        snr = baselines.spectrum_module_scores(self.model)
-        scores = self.sub.broadcast(baselines.per_parameter(names, snr, -1.0))
-        entry = self._entry(scores, {m: snr.get(m, -1.0) for m in modules}, moved, modules, target, seed,
-                            f"Spectrum's weight SNR per module ({baselines.SPECTRUM_SOURCE}); modules without a "
-                            "weight score -1; coordinates get their module's score", curves, "spectrum SNR")
-        scored = [m for m in modules if m in snr]
-        entry["spearman_modules_scored"] = spearman([snr[m] for m in scored], [moved.modules[m] for m in scored])
-        chosen = baselines.spectrum_selection(snr)
-        selected = self.sub.broadcast([float(module_of(n) in chosen) for n in names]) > 0
-        entry["selection"] = {"rule": "top 50% per type + lm_head + embed_tokens", "modules": len(chosen),
-                              **selection_metrics(selected, self.realized)}
-        return entry
-
-    def _kappa(self, names, moved, modules, target, seed, curves) -> dict:
-        scores, targets, how = baselines.kappa_module_scores(self.model)
-        if scores is None:
-            return {"unavailable": how}
-        coords = self.sub.broadcast(baselines.per_parameter(names, scores, 0.0))
-        entry = self._entry(coords, scores, moved, modules, target, seed,
-                            f"KappaTune: lowest condition number first ({how}); modules it does not analyse "
-                            "score 0", curves, "kappa")
-        scored = [m for m in modules if m in scores]
-        entry["spearman_modules_scored"] = spearman([scores[m] for m in scored], [moved.modules[m] for m in scored])
-        selected = self.sub.broadcast([float(module_of(n) in targets) for n in names]) > 0
-        entry["selection"] = {"rule": f"find_kappa_target_modules(top_p={baselines.KAPPA_TOP_P})",
-                              "modules": len(targets), **selection_metrics(selected, self.realized)}
-        return entry
-
-    def _adam_entry(self, adam, moved, modules, target, seed, curves) -> dict:
-        if adam is None:
-            return {"status": "not computed (adam_aware=False)"}
-        entry = self._entry(adam.sub, adam.modules, moved, modules, target, seed,
-                            "BEYOND THE SEED'S BOUND: per-coordinate signal-to-noise |m|/sqrt(m^2 + Var/B) of a "
-                            "training-size minibatch gradient, from exact per-row sums on the first-step batch "
-                            "(rows weighted by their signal); a heuristic for Adam, measured here",
-                            curves, "adam-aware SNR")
-        entry["label"] = "beyond the seed's bound: ship only as far as it measurably predicts"
-        return entry
 
     def _outcome(self, main, second, before, masked) -> dict:
         runs = {"main": {"seed": main["seed"], "per_step": main["log"], "held_out_after": main["after"]}}
@@ -478,105 +375,36 @@ class _Validation:
                 "held_out_prompts": len(self.setup.eval_prompts), "held_out_disjoint": self.setup.eval_disjoint,
                 "held_out_before": before, "runs": runs, "masked_fine_tuning": masked}
 
-    def _caveats(self) -> list[str]:
-        out = ["The bound is for the expected gradient at the calibration point, one step; realized movement "
-               "over several steps also reflects sampling noise and the parameters' drift."]
-        if self.settings.optimizer == "adamw":
-            out.append("AdamW divides by a running RMS: over a few steps almost every coordinate with a nonzero "
-                       "gradient moves by about lr, so a ranking by F or |g| is not expected to predict its "
-                       "movement (see auroc; the Adam-aware ranking is measured beside it, under adam_aware). "
-                       "Module movement then tracks module size: even the random ranking's module sums "
-                       "correlate with it (baselines.random.spearman_modules). Whether a mask still trains "
-                       "well is measured separately (training_outcome.masked_fine_tuning).")
-        if self.settings.weight_decay > 0:
-            out.append(f"weight decay {self.settings.weight_decay} moves every coordinate by about lr*wd*|theta|, "
-                       "independently of its gradient.")
-        if len(self.run.objectives) > 1:
-            out.append(f"trained on the primary objective {self.setup.objective.name!r} only; the run has "
-                       f"{len(self.run.objectives)} objectives")
-        silent = sum(e["rows"] - e["rows_with_signal"] for log in self.logs.values() for e in log)
-        total = sum(e["rows"] for log in self.logs.values() for e in log)
-        if total and silent > total / 2:
-            out.append(f"{silent} of {total} training rows carried no signal (e.g. every reward of their prompt "
-                       "equal): movement rests on few samples, so every ranking's metrics are noisy")
-        cut = self.run.report.truncation_rate
-        if cut > 0.1:
-            out.append(f"{cut:.0%} of the calibration's responses were cut at max_new_tokens: F describes the "
-                       "truncated distribution")
-        if not self.setup.eval_disjoint:
-            out.append("no prompt was left after the calibration's: the held-out outcome reuses the training prompts")
-        return out
 
-
-def split_half_gradient(model, batch, pad: int, micro: int):
-    """(the batch's mean loss gradient, an estimate of its noise, rows), parameter-keyed fp32 CPU tensors.
-
-    The batch is split into two halves of whole prompt groups (groups are independent; rows inside
-    one are not, through the leave-one-out baseline), with mean gradients g1 (n1 rows) and g2 (n2).
-    The whole batch's mean is ``(n1 g1 + n2 g2) / (n1 + n2)``, of variance ``sigma^2 / (n1 + n2)``;
-    ``|g1 - g2| sqrt(n1 n2) / (n1 + n2)`` has that same variance and zero mean: one draw of the noise.
-    """
-    half = len(batch.groups) // 2
-    if half == 0:
-        raise FisherSelectError("the first-step batch needs at least two prompt groups (it is split in halves)")
-    grads, sizes = [], []
-    for part in (batch.part(list(range(half))), batch.part(list(range(half, len(batch.groups))))):
-        model.zero_grad(set_to_none=True)
-        backward(model, part, pad, micro)
-        grads.append(gradients(model))
-        sizes.append(len(part.rows))
-    model.zero_grad(set_to_none=True)
-    n1, n2 = sizes
-    mean = {k: (n1 * grads[0][k] + n2 * grads[1][k]) / (n1 + n2) for k in grads[0]}
-    noise = {k: (grads[0][k] - grads[1][k]).abs() * (math.sqrt(n1 * n2) / (n1 + n2)) for k in grads[0]}
-    return mean, noise, n1 + n2
-
-
-def sgd_step(model, grad: dict, lr: float, start: dict) -> dict:
-    """Take one plain SGD step along ``grad`` from ``start``; return ``|delta|`` (fp32) and restore ``start``."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.grad = grad[name].to(p.device, p.dtype)
-    torch.optim.SGD(list(model.parameters()), lr=lr).step()
-    delta = movement(model, start)
-    load_snapshot(model, start)
-    return delta
-
-
-def row_score_sums(model, batch, pad: int, micro: int):
-    """Exact sums over the batch's rows of the per-row gradients ``u_n`` and of ``u_n^2`` (engine hooks).
-
-    ``u_n`` is the gradient of row n's weighted log-probability ``sum_t w_{n,t} log pi(y_t|s_t)``:
-    ``a_n h_n`` for a sequence-level signal, ``sum_t A_t h_t`` at token level, ``h_n`` for a
-    demonstration (no weights). So ``total / count`` is the mean step direction (up to sign) and
-    ``squares / count`` its per-row second moment.
-    """
-    cov, sums = plan_coverage(model), None
-    device = next(model.parameters()).device
-    for i in range(0, len(batch.rows), micro):
-        rows = batch.rows[i : i + micro]
-        ids, mask, resp = pad_rows(rows, pad, device)  # (B, T) each
-        tw = None if batch.weights is None else token_weights(rows, batch.weights[i : i + micro], ids.shape[1], device)
-        sums = score_sums(model, ids, mask, resp, token_weights=tw, coverage=cov, into=sums)
-    return sums
-
-
-def minibatch_snr(total: torch.Tensor, squares: torch.Tensor, count: int, rows: int,
-                  population: int | None) -> torch.Tensor:
-    """Per coordinate ``|m| / sqrt(m^2 + c Var / B)``: the signal-to-noise of a B-row minibatch gradient.
-
-    ``m = total / count`` and ``Var = squares / count - m^2`` are the per-row mean and (plug-in)
-    variance over ``count`` rows; ``B = rows`` rows per training step. Adam's step is about
-    ``lr E[g_B] / sqrt(E[g_B^2])`` and ``E[g_B^2] = m^2 + c Var / B``. ``c`` is the finite-population
-    correction ``(N - B) / (N - 1)`` when steps draw B of N rows without replacement (demonstrations;
-    ``population`` = N), else 1. Coordinates with no gradient at all score 0. Same shape as ``total``.
-    """
-    c = 1.0 if population is None else max(population - rows, 0) / max(population - 1, 1)
-    m = total.double() / count
-    var = (squares.double() / count - m.square()).clamp_min(0)  # rounding can make it slightly negative
-    denom = (m.square() + c * var / rows).sqrt()
-    safe = torch.where(denom > 0, denom, torch.ones_like(denom))  # 0/0 where nothing moved the coordinate
-    return torch.where(denom > 0, m.abs() / safe, torch.zeros_like(denom)).float()
+def _caveats(run: Run, setup: Setup, settings: TrainConfig, logs: dict[str, list[dict]]) -> list[str]:
+    """What the reader of validation.json must keep in mind about this run's measurements."""
+    out = ["The bound is for the expected gradient at the calibration point, one step; realized movement "
+           "over several steps also reflects sampling noise and the parameters' drift."]
+    if settings.optimizer == "adamw":
+        out.append("AdamW divides by a running RMS: over a few steps almost every coordinate with a nonzero "
+                   "gradient moves by about lr, so a ranking by F or |g| is not expected to predict its "
+                   "movement (see auroc; the Adam-aware ranking is measured beside it, under adam_aware). "
+                   "Module movement then tracks module size: even the random ranking's module sums "
+                   "correlate with it (baselines.random.spearman_modules). Whether a mask still trains "
+                   "well is measured separately (training_outcome.masked_fine_tuning).")
+    if settings.weight_decay > 0:
+        out.append(f"weight decay {settings.weight_decay} moves every coordinate by about lr*wd*|theta|, "
+                   "independently of its gradient.")
+    if len(run.objectives) > 1:
+        out.append(f"trained on the primary objective {setup.objective.name!r} only; the run has "
+                   f"{len(run.objectives)} objectives")
+    silent = sum(e["rows"] - e["rows_with_signal"] for log in logs.values() for e in log)
+    total = sum(e["rows"] for log in logs.values() for e in log)
+    if total and silent > total / 2:
+        out.append(f"{silent} of {total} training rows carried no signal (e.g. every reward of their prompt "
+                   "equal): movement rests on few samples, so every ranking's metrics are noisy")
+    cut = run.report.truncation_rate
+    if cut > 0.1:
+        out.append(f"{cut:.0%} of the calibration's responses were cut at max_new_tokens: F describes the "
+                   "truncated distribution")
+    if not setup.eval_disjoint:
+        out.append("no prompt was left after the calibration's: the held-out outcome reuses the training prompts")
+    return out
 
 
 def recovered_share(before: float, after: float, full_after: float) -> float | None:
