@@ -132,7 +132,7 @@ def table(paths: list[str]) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--objective", choices=tuple(RECIPES), default="rl")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
@@ -162,6 +162,11 @@ def main(argv=None) -> int:
                                         "instead of calibrating the SFT recipe (F is objective-independent)")
     p.add_argument("--table", nargs="+", metavar="VALIDATION", help="only print the table of these validation.json "
                                                                       "files or directories (no training)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.table:
         return table(args.table)

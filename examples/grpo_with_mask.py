@@ -71,6 +71,28 @@ def arithmetic_reward(answer_field: str = "answer"):
     return score
 
 
+def check_movement(model, trainer, before: dict, masks: dict | None) -> int:
+    """0 when nothing that must stay still moved: no masked coordinate (masks), no base weight (LoRA); else 1."""
+    if masks is not None:
+        masked_moved = selected_moved = selected = 0
+        for name, p in model.named_parameters():
+            changed = p.detach() != before[name]
+            masked_moved += int(changed[~masks[name]].sum())
+            selected_moved += int(changed[masks[name]].sum())
+            selected += int(masks[name].sum())
+        print(f"masked coordinates moved: {masked_moved} (must be 0); selected moved: {selected_moved:,} of {selected:,}")
+        if masked_moved:
+            print("error: the mask did not hold", file=sys.stderr)
+            return 1
+    else:
+        base_moved = sum(int((p.detach() != before[n.replace('.base_layer', '')]).sum())
+                         for n, p in trainer.model.get_base_model().named_parameters() if "lora_" not in n)
+        print(f"base weights moved: {base_moved} (must be 0)")
+        if base_moved:
+            return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -114,23 +136,8 @@ def main(argv=None) -> int:
             print(f"step {row['step']}: reward {row['reward']:.3f} (std {row['reward_std']:.3f}), "
                   f"grad norm {row['grad_norm']:.4g}")
 
-    if masks is not None:
-        masked_moved = selected_moved = selected = 0
-        for name, p in model.named_parameters():
-            changed = p.detach() != before[name]
-            masked_moved += int(changed[~masks[name]].sum())
-            selected_moved += int(changed[masks[name]].sum())
-            selected += int(masks[name].sum())
-        print(f"masked coordinates moved: {masked_moved} (must be 0); selected moved: {selected_moved:,} of {selected:,}")
-        if masked_moved:
-            print("error: the mask did not hold", file=sys.stderr)
-            return 1
-    else:
-        base_moved = sum(int((p.detach() != before[n.replace('.base_layer', '')]).sum())
-                         for n, p in trainer.model.get_base_model().named_parameters() if "lora_" not in n)
-        print(f"base weights moved: {base_moved} (must be 0)")
-        if base_moved:
-            return 1
+    if check_movement(model, trainer, before, masks):
+        return 1
     print(f"[{time.perf_counter() - started:5.1f}s] done")
     return 0
 
