@@ -51,11 +51,9 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     rollouts = load_rollouts(recipe.rollouts, limit=recipe.num_prompts) if recipe.rollouts else None  # checked now
     objectives = build_objectives(recipe)
     sampling = SamplingConfig(**recipe.sampling)  # checked by load_recipe (and again by calibrate, for API callers)
-    # The prompt and objective checks, before minutes of model loading (a rollouts file's prompts and K replace
-    # the recipe's); the sampling keys are not re-checked: load_recipe did.
-    prompts = None if rollouts else load_prompts(recipe.prompts, limit=recipe.num_prompts)
-    prompts, config = resolve_inputs(prompts, objectives, recipe.calibration_config(), None, rollouts)
-    k = config.samples_per_prompt
+    # Checked before minutes of model loading (sampling: by load_recipe); a rollouts file's prompts and K win.
+    prompts, config = resolve_inputs(None if rollouts else load_prompts(recipe.prompts, limit=recipe.num_prompts),
+                                     objectives, recipe.calibration_config(), None, rollouts)
     clock.lap("setup")
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     model_fingerprint = fingerprint(model)
@@ -79,7 +77,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     clock.lap("calibration")
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
-    settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,
+    settings = {"samples_per_prompt": config.samples_per_prompt, "max_new_tokens": recipe.max_new_tokens,
                 "seed": recipe.seed}
     report = build_report(cal, model=model_info, recipe=recipe_to_dict(recipe), recipe_name=recipe_name,
                           sampling=rollouts.describe() if rollouts else sampling.describe(), settings=settings,
