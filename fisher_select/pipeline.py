@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fisher_select.atomic import check_dir_target, check_writable
-from fisher_select.calibration.calibrator import Calibration, calibrate, check_inputs
+from fisher_select.calibration.calibrator import Calibration, calibrate, resolve_inputs
 from fisher_select.calibration.checkpoint import CheckpointConfig
 from fisher_select.calibration.checkpoint import finish as finish_checkpoint
 from fisher_select.calibration import fsdp
@@ -49,12 +49,11 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     device = init_from_env(recipe.device)  # torchrun / accelerate: one rank per device
     rank, world = rank_world()
     rollouts = load_rollouts(recipe.rollouts, limit=recipe.num_prompts) if recipe.rollouts else None  # checked now
-    prompts = rollouts.prompts if rollouts else load_prompts(recipe.prompts, limit=recipe.num_prompts)
-    k = rollouts.k if rollouts else recipe.samples_per_prompt
     objectives = build_objectives(recipe)
     sampling = SamplingConfig(**recipe.sampling)  # checked by load_recipe (and again by calibrate, for API callers)
-    # The prompt and objective checks, before minutes of model loading; the sampling keys are not re-checked.
-    check_inputs(prompts, objectives, k, None)  # sampling: checked by load_recipe
+    # Checked before minutes of model loading (sampling: by load_recipe); a rollouts file's prompts and K win.
+    prompts, config = resolve_inputs(None if rollouts else load_prompts(recipe.prompts, limit=recipe.num_prompts),
+                                     objectives, recipe.calibration_config(), None, rollouts)
     clock.lap("setup")
     model, tokenizer, path = load_model(recipe.model, device, recipe.dtype, recipe.quantization)
     model_fingerprint = fingerprint(model)
@@ -68,7 +67,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
                             model_id=model_fingerprint["id"], keep_when_done=True)
     with warnings.catch_warnings():  # the run's report and summary say S = 0 (report.warnings): not twice
         warnings.simplefilter("ignore", DegenerateResultWarning)
-        cal = calibrate(model, tokenizer, prompts, objectives, recipe.calibration_config(), sampling=sampling,
+        cal = calibrate(model, tokenizer, prompts, objectives, config, sampling=sampling,
                         progress=progress and rank == 0, rollouts=rollouts, checkpoint=ckpt,
                         log=log if rank == 0 else None)
     sharded = recipe.shard == "fsdp"
@@ -78,7 +77,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     clock.lap("calibration")
     model_info = ModelInfo(name=recipe.model, path=str(path), fingerprint=model_fingerprint, dtype=recipe.dtype,
                            quantization=recipe.quantization, architecture=type(model).__name__)
-    settings = {"samples_per_prompt": k, "max_new_tokens": recipe.max_new_tokens,
+    settings = {"samples_per_prompt": config.samples_per_prompt, "max_new_tokens": recipe.max_new_tokens,
                 "seed": recipe.seed}
     report = build_report(cal, model=model_info, recipe=recipe_to_dict(recipe), recipe_name=recipe_name,
                           sampling=rollouts.describe() if rollouts else sampling.describe(), settings=settings,

@@ -32,11 +32,11 @@ def test_no_progress_prints_one_line_per_phase_on_stderr(tmp_path, small_llama_d
 
 def test_calibrate_refuses_before_sampling_when_the_estimate_exceeds_the_memory(tmp_path, small_llama_dir, capsys,
                                                                                  monkeypatch):
-    from fisher_select.calibration import calibrator
+    from fisher_select.calibration import batches
     from fisher_select.cli import main
 
     monkeypatch.setenv("FISHER_SELECT_MEMORY_LIMIT", "100000")  # 100 kB: nothing fits
-    monkeypatch.setattr(calibrator, "sample_responses", lambda *a, **k: pytest.fail("sampled before refusing"))
+    monkeypatch.setattr(batches, "sample_responses", lambda *a, **k: pytest.fail("sampled before refusing"))
     out = tmp_path / "run"
     code = main(["calibrate", "--recipe", _recipe(tmp_path, small_llama_dir), "--out", str(out),
                  "--samples-per-prompt", "2", "--max-new-tokens", "4", "--no-progress"])
@@ -95,12 +95,12 @@ def _calibrate_rl(batch_size):
 
 
 def test_k_above_the_batch_size_is_scored_in_batch_size_chunks_with_the_same_result(monkeypatch):
-    from fisher_select.calibration import calibrator
+    from fisher_select.calibration import parallel
 
     whole = _calibrate_rl(batch_size=K_BIG)  # one scoring call per prompt
     widths = []
-    real = calibrator.score_in_budget  # every scoring call of the calibration goes through it
-    monkeypatch.setattr(calibrator, "score_in_budget", lambda model, ids, *a, **k: widths.append(len(ids)) or
+    real = parallel.score_in_budget  # every scoring call of the calibration goes through it
+    monkeypatch.setattr(parallel, "score_in_budget", lambda model, ids, *a, **k: widths.append(len(ids)) or
                         real(model, ids, *a, **k))
     chunked = _calibrate_rl(batch_size=3)  # the same draws (one sampling call of K rows), scored 3 rows at a time
     assert max(widths) <= 3 and chunked.num_samples == whole.num_samples == K_BIG * len(PROMPTS)
@@ -112,12 +112,12 @@ def test_k_above_the_batch_size_is_scored_in_batch_size_chunks_with_the_same_res
 
 
 def test_a_huge_k_is_sampled_in_chunks_of_bounded_rows(monkeypatch):
-    from fisher_select.calibration import budget, calibrator
+    from fisher_select.calibration import batches, budget
 
     monkeypatch.setattr(budget, "SAMPLE_ROWS", 4)  # stands for 1024: K = 10 is "huge" here
     rows = []
-    real = calibrator.sample_responses
-    monkeypatch.setattr(calibrator, "sample_responses", lambda model, prompts, **k: rows.append(len(prompts)) or
+    real = batches.sample_responses
+    monkeypatch.setattr(batches, "sample_responses", lambda model, prompts, **k: rows.append(len(prompts)) or
                         real(model, prompts, **k))
     cal = _calibrate_rl(batch_size=2)
     assert rows == [4, 4, 2] * len(PROMPTS)  # per prompt: K = 10 rows in calls of at most 4

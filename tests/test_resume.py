@@ -173,7 +173,7 @@ def _tiny(tmp_path, **kw):
     teacher = Teacher(enumeration_model(seed=1), name="teacher")
     objectives = [RLObjective(lambda r, t: float(len(t.split()) % 2)), OPDFullObjective(teacher, sign_draws=2)]
     return calibrate(model, TinyTokenizer(5), TINY, objectives, samples_per_prompt=2, max_new_tokens=3, seed=7,
-                     batch_size=2, progress=False, **kw)
+                     batch_size=2, **{"progress": False, **kw})
 
 
 class Stop(Exception):
@@ -232,3 +232,59 @@ def test_a_checkpoint_of_another_calibration_is_refused(tmp_path, monkeypatch):
                   seed=8, batch_size=2, progress=False, checkpoint=CheckpointConfig(folder, every=1, resume=True))
     with pytest.raises(FisherSelectError, match="--resume"):  # not resuming: refused, not overwritten
         _tiny(tmp_path, checkpoint=CheckpointConfig(folder, every=1))
+
+
+def _interrupt_after(monkeypatch, stop_at: int):
+    """Checkpointer.save raises Stop right after writing the checkpoint of batch ``stop_at``; returns the undo."""
+    real = Checkpointer.save
+
+    def save_then_stop(self, done, *args):
+        path = real(self, done, *args)
+        if done == stop_at:
+            raise Stop
+        return path
+
+    monkeypatch.setattr(Checkpointer, "save", save_then_stop)
+    return lambda: monkeypatch.setattr(Checkpointer, "save", real)
+
+
+def test_a_resumed_calibration_says_which_checkpoint_and_how_many_samples_are_left(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "run.checkpoint"
+    undo = _interrupt_after(monkeypatch, 2)
+    with pytest.raises(Stop):
+        _tiny(tmp_path, checkpoint=CheckpointConfig(folder, every=1))
+    undo()
+    lines = []
+    kept = CheckpointConfig(folder, every=None, resume=True, keep_when_done=True)  # writes none, removes none
+    _tiny(tmp_path, checkpoint=kept, log=lines.append)
+    # 6 prompts x K = 2 in batches of one prompt (batch_size 2): 2 batches = 4 of 12 samples were done
+    newest = folder / "rank-000-of-001" / "batch-000002"
+    assert lines[0] == f"resumed from checkpoint {newest}: 4 of 12 samples done, 8 left", lines
+    assert sum(line.startswith("resumed from") for line in lines) == 1
+    # progress bars instead of log lines: the same line, on stderr above the bars
+    capsys.readouterr()
+    _tiny(tmp_path, checkpoint=CheckpointConfig(folder, resume=True), progress=True)
+    assert f"resumed from checkpoint {newest}: 4 of 12 samples done, 8 left" in capsys.readouterr().err
+    # a pass that starts from the beginning says nothing of the kind
+    lines.clear()
+    _tiny(tmp_path, log=lines.append)
+    assert lines and not any(line.startswith("resumed") for line in lines)
+
+
+def test_calibrate_no_progress_resume_prints_the_resumed_line(tmp_path, small_llama_dir, monkeypatch, capsys):
+    from tests.tiny import run_command
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(3)))
+    (tmp_path / "r.yaml").write_text(f"model: {small_llama_dir}\nprompts: p.jsonl\nobjective:\n  type: rl\n"
+                                     "  reward: {type: regex, pattern: '[0-9]'}\ncheckpoint_every: 1\n")
+    argv = ["calibrate", "--recipe", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "run"),
+            "--samples-per-prompt", "2", "--max-new-tokens", "3", "--batch-size", "2", "--no-progress"]
+    undo = _interrupt_after(monkeypatch, 1)
+    with pytest.raises(Stop):
+        run_command(argv)
+    undo()
+    capsys.readouterr()
+    assert run_command(argv + ["--resume"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("resumed")]
+    newest = checkpoint_folder(tmp_path / "run") / "rank-000-of-001" / "batch-000001"
+    assert err == [f"resumed from checkpoint {newest}: 2 of 6 samples done, 4 left"]

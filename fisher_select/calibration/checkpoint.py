@@ -15,6 +15,7 @@ Each checkpoint directory is written atomically (``atomic.write_dir``: complete 
 older ones are removed only after the newer one is in place, and the newest complete one is
 resumed. Under torchrun each rank checkpoints its own shard of prompts (ranks never communicate
 before the final merge, so no gathering is needed); a resume needs the same number of ranks.
+What is written is a ``CalibrationState`` (the calibrator's ``state()``, put back by its ``restore``).
 Under ``shard: fsdp`` rank 0 gathers the full sums and every rank's generator, statistics and
 samples and writes one checkpoint (folder ``rank-000-of-001``, key ``fsdp_ranks``), which as many
 FSDP ranks resume, each taking its own state and its rows of the sums.
@@ -28,12 +29,14 @@ import hashlib
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from fisher_select.atomic import write_dir
+from fisher_select.calibration.stability import HalvesState
+from fisher_select.calibration.token_level import TokenState
 from fisher_select.engine.scoring import ScoreSums
 from fisher_select.errors import FisherSelectError
 from fisher_select.rundir import (CHECKPOINT_BATCH_DIR, CHECKPOINT_BATCH_PATTERN, CHECKPOINT_MANIFEST,
@@ -71,6 +74,7 @@ class Checkpointer:
         self.owner = owner  # False: reads this folder but never removes it (fsdp ranks other than 0)
         self.key = {"format": FORMAT, "rank": rank, "world": world, **key}
         self.dir = rank_folder(cfg, rank, world)
+        self.loaded: Path | None = None  # the checkpoint ``load`` read
         self._check_start()
 
     def _check_start(self) -> None:
@@ -128,6 +132,7 @@ class Checkpointer:
                 f"checkpoint {path} belongs to another calibration (it differs in {', '.join(differ)}): resume with "
                 f"the same model, prompts, objectives and settings, or remove {self.cfg.folder} to start over")
         samples = read_samples(path / SAMPLES)
+        self.loaded = path
         return manifest["batches_done"], read_tensors(path / TENSORS), manifest["state"], samples
 
     def discard(self) -> None:
@@ -191,56 +196,67 @@ def _take_sums(tensors: dict, prefix: str, info: dict | None, names, place) -> S
     return ScoreSums(parts["squares"], parts["signal"], parts["total"], info["count"])
 
 
-def _own_meta(cal) -> dict:
-    """What one process's sampling and scoring left in the calibrator beside the sums (JSON-able)."""
-    meta = {"checks": cal.checks, "stats": [s.to_dict() for s in cal.stats]}
-    if cal.stability is not None:
-        st = cal.stability
+@dataclass
+class CalibrationState:
+    """The state of a calibration between batches: what a checkpoint holds (``_Calibrator.state`` / ``restore``)."""
+
+    generator: torch.Tensor  # the sampling generator's state
+    sums: ScoreSums | None  # None before the first batch
+    checks: dict
+    stats: list  # one ``Statistics`` per objective
+    samples: list[dict]
+    token: TokenState | None = None  # token-level objectives only
+    halves: HalvesState | None = None  # ``stability`` only
+
+
+def _own_meta(state: CalibrationState) -> dict:
+    """What one process's sampling and scoring left beside the sums (JSON-able)."""
+    meta = {"checks": state.checks, "stats": [s.to_dict() for s in state.stats]}
+    if state.halves is not None:
+        st = state.halves
         meta["stability"] = {"samples": st.samples, "prompts": st.prompts, "unit_masses": st.unit_masses,
-                             "unit_counts": st.unit_counts, "running": st._running, "has_a": st.squares_a is not None}
+                             "unit_counts": st.unit_counts, "running": st.running, "has_a": st.squares_a is not None}
     return meta
 
 
-def capture(cal, sums: ScoreSums | None = None, half_a: dict[str, torch.Tensor] | None = None
-            ) -> tuple[dict[str, torch.Tensor], dict]:
-    """The state of a ``calibrator._Calibrator`` between batches: (tensors, JSON-able state).
-
-    ``sums`` / ``half_a``: full sums standing in for the calibrator's own (fsdp: those gathered on
-    rank 0, while the calibrator holds its rows)."""
-    sums = cal.sums if sums is None else sums
-    tensors = {"rng/sampling": cal.generator.get_state()}
-    meta = {"sums": _put_sums(tensors, "sums", sums), **_own_meta(cal)}
-    if cal.token is not None:
-        tensors["rng/signs"] = cal.token.signs.get_state()
-        meta["token"] = {"squares": _put_sums(tensors, "token", cal.token.squares),
-                         "grads": [_put_sums(tensors, f"token_grad{j}", g) for j, g in enumerate(cal.token.grads)]}
-    if cal.stability is not None:
-        half_a = cal.stability.squares_a if half_a is None else half_a
-        for name, t in (half_a or {}).items():
+def write_state(state: CalibrationState) -> tuple[dict[str, torch.Tensor], dict]:
+    """``state`` as (tensors, JSON-able state), the checkpoint's two files beside its samples."""
+    tensors = {"rng/sampling": state.generator}
+    meta = {"sums": _put_sums(tensors, "sums", state.sums), **_own_meta(state)}
+    if state.token is not None:
+        tensors["rng/signs"] = state.token.signs
+        meta["token"] = {"squares": _put_sums(tensors, "token", state.token.squares),
+                         "grads": [_put_sums(tensors, f"token_grad{j}", g) for j, g in enumerate(state.token.grads)]}
+    if state.halves is not None:
+        for name, t in (state.halves.squares_a or {}).items():
             tensors[f"half_a/{name}"] = t
     return tensors, meta
 
 
-def capture_ranks(cal, sums: ScoreSums | None, half_a: dict[str, torch.Tensor] | None):
+def capture_ranks(state: CalibrationState, sums: ScoreSums | None, half_a: dict[str, torch.Tensor] | None):
     """fsdp (a collective): one checkpoint of every rank's state, (tensors, state, samples) on rank 0, None elsewhere.
 
-    ``sums`` / ``half_a``: the full sums gathered on rank 0. Each rank's sampling generator, statistics,
-    split-half counts and samples go in under its rank (``rank_view`` takes them out again)."""
+    ``state``: this rank's (its rows of the sums); ``sums`` / ``half_a``: the full sums gathered on rank 0. Each
+    rank's sampling generator, statistics, split-half counts and samples go in under its rank (``read_state``
+    takes them out again)."""
     from fisher_select.distributed import gather_objects
 
-    parts = gather_objects((cal.generator.get_state(), _own_meta(cal), cal.samples))  # [(state, meta, samples)]
+    parts = gather_objects((state.generator, _own_meta(state), state.samples))  # [(state, meta, samples)]
     if sums is None:
         return None
-    tensors, meta = capture(cal, sums, half_a)
+    halves = state.halves
+    if halves is not None and half_a is not None:
+        halves = replace(halves, squares_a=half_a)
+    tensors, meta = write_state(replace(state, sums=sums, halves=halves))
     del tensors["rng/sampling"]  # rank 0's; every rank's goes in below
-    for r, (state, _, _) in enumerate(parts):
-        tensors[f"rank{r}/rng/sampling"] = state
+    for r, (generator, _, _) in enumerate(parts):
+        tensors[f"rank{r}/rng/sampling"] = generator
     meta = {"sums": meta["sums"], "ranks": [m for _, m, _ in parts], "samples_per_rank": [len(s) for _, _, s in parts]}
     return tensors, meta, [record for _, _, samples in parts for record in samples]
 
 
-def rank_view(tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict], rank: int):
-    """fsdp: rank ``rank``'s part of a ``capture_ranks`` checkpoint, as ``restore_state`` takes it (full sums)."""
+def _rank_view(tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict], rank: int):
+    """fsdp: rank ``rank``'s part of a ``capture_ranks`` checkpoint, as one process's (with the full sums)."""
     counts = meta["samples_per_rank"]
     start = sum(counts[:rank])
     own = {k: v for k, v in tensors.items() if not k.startswith("rank")}  # the full sums and half-A squares
@@ -248,29 +264,22 @@ def rank_view(tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict],
     return own, {"sums": meta["sums"], **meta["ranks"][rank]}, samples[start : start + counts[rank]]
 
 
-def restore_state(cal, tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict]) -> None:
-    """Put a captured state back into a freshly built calibrator (same settings, checked by the manifest)."""
-    where = getattr(getattr(cal, "memory", None), "device", None)  # accumulators kept on the CPU by a memory mode
-    if getattr(cal, "shards", None) is not None:
-        where = "cpu"  # fsdp: the full sums stay on the CPU; each rank moves its rows to its device
-
-    def place(name: str, t: torch.Tensor) -> torch.Tensor:
-        param = cal.cov.params.get(name)
-        return t.to(where or (param.device if param is not None else cal.device))
-
-    cal.generator.set_state(tensors["rng/sampling"])
-    names = list(cal.cov.shapes)
-    cal.sums = _take_sums(tensors, "sums", meta["sums"], names, place)
-    cal.checks = meta["checks"]
-    cal.stats = [type(s).from_dict(d) for s, d in zip(cal.stats, meta["stats"])]
-    cal.samples = samples
-    if cal.token is not None:
-        cal.token.signs.set_state(tensors["rng/signs"])
-        cal.token.squares = _take_sums(tensors, "token", meta["token"]["squares"], names, place)
-        cal.token.grads = [_take_sums(tensors, f"token_grad{j}", g, names, place)
-                           for j, g in enumerate(meta["token"]["grads"])]
-    if cal.stability is not None:
-        st, info = cal.stability, meta["stability"]
-        st.samples, st.prompts, st.unit_masses = info["samples"], info["prompts"], info["unit_masses"]
-        st.unit_counts, st._running = info["unit_counts"], info["running"]
-        st.squares_a = _take(tensors, "half_a/", names, place) if info["has_a"] else None
+def read_state(tensors: dict[str, torch.Tensor], meta: dict, samples: list[dict], *, rank: int, names: list[str],
+               place, stat_types: list[type]) -> CalibrationState:
+    """A checkpoint's state (an fsdp one: rank ``rank``'s part, with the full sums), for a calibrator of the same
+    settings (checked by the manifest). ``names``: the coverage's parameters, in its order; ``place(name, t)``
+    moves a tensor where the calibrator keeps it; ``stat_types``: each objective's ``Statistics`` class."""
+    if "ranks" in meta:
+        tensors, meta, samples = _rank_view(tensors, meta, samples, rank)
+    state = CalibrationState(tensors["rng/sampling"], _take_sums(tensors, "sums", meta["sums"], names, place),
+                             meta["checks"], [t.from_dict(d) for t, d in zip(stat_types, meta["stats"])], samples)
+    if "token" in meta:
+        state.token = TokenState(tensors["rng/signs"], _take_sums(tensors, "token", meta["token"]["squares"], names,
+                                                                   place),
+                                 [_take_sums(tensors, f"token_grad{j}", g, names, place)
+                                  for j, g in enumerate(meta["token"]["grads"])])
+    if "stability" in meta:
+        info = meta["stability"]
+        state.halves = HalvesState(info["samples"], info["prompts"], info["unit_masses"], info["unit_counts"],
+                                   info["running"], _take(tensors, "half_a/", names, place) if info["has_a"] else None)
+    return state

@@ -5,6 +5,8 @@
 - ``enumerate_responses``: every response of a tiny model (small vocabulary, short responses),
   with its exact probability, for exact expectations (Fisher, gradients, signal scales).
 - ``per_token_scores``: one backward per response token (token-level Fisher).
+- ``verify_against_autograd``: a calibration's score sums of one batch against plain autograd
+  (the calibrator's first-batch check).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fisher_select.engine.batching import micro_batches
 from fisher_select.engine.logprob import response_logprobs
+from fisher_select.engine.scoring import Coverage, ScoreSums
+from fisher_select.errors import FisherSelectError
 
 
 def _unpadded_row(input_ids, attention_mask, response_mask, b):
@@ -103,3 +108,51 @@ def sequence_logprob(model, prompt_ids: list[int], response_ids: list[int]) -> t
     resp = torch.zeros_like(ids, dtype=torch.bool)
     resp[0, len(prompt_ids) :] = True
     return response_logprobs(model, ids, torch.ones_like(ids), resp)[0]
+
+
+def verify_against_autograd(model, input_ids, attention_mask, response_mask, sums: ScoreSums, cov: Coverage,
+                            max_tokens: int | None = None) -> dict:
+    """Compare the engine's ``sum_n h_n`` with plain autograd of ``sum_n l_n``.
+
+    A parameter used outside the module that holds it (a functional matmul with another
+    module's weight) would be missed by the hooks; this catches it on the first batch.
+    ``max_tokens``: the scoring's token budget, which caps this pass's activations too.
+    """
+    params = {n: p for n, p in cov.params.items()
+              if n in cov.shapes and p.is_floating_point() and tuple(p.shape) == cov.shapes[n]}  # kept ones only
+    saved = {n: p.requires_grad for n, p in params.items()}
+    try:
+        for p in params.values():
+            p.requires_grad_(True)
+        grads = _summed_grads(model, (input_ids, attention_mask, response_mask), list(params.values()), max_tokens)
+    finally:
+        for n, p in params.items():
+            p.requires_grad_(saved[n])
+    half = next(iter(params.values())).dtype in (torch.bfloat16, torch.float16) if params else False
+    tol = 5e-2 if half else 1e-3
+    worst, worst_name = 0.0, None
+    for (name, _), g in zip(params.items(), grads):
+        ref = torch.zeros(cov.shapes[name]) if g is None else g.float().cpu()
+        mine = sums.total[name].cpu()
+        err = float((mine - ref).norm() / (ref.norm() + mine.norm() + 1e-12))
+        if err > worst:
+            worst, worst_name = err, name
+    if worst > tol:
+        raise FisherSelectError(
+            f"score sums for {worst_name} differ from autograd (relative error {worst:.2e} > {tol:g}): "
+            "the parameter is probably used outside the module that holds it; please report this model"
+        )
+    return {"max_relative_error": worst, "parameter": worst_name, "tolerance": tol}
+
+
+def _summed_grads(model, batch: tuple, params: list, max_tokens: int | None) -> list:
+    """Autograd of the batch's summed log-probabilities (batch: (B, T) ids, mask, response mask), a
+    micro-batch at a time when the batch exceeds ``max_tokens``; None for a parameter without gradient."""
+    parts = micro_batches(batch[1], max_tokens)
+    total = [None] * len(params)
+    for rows in parts:
+        pick = torch.tensor(rows, device=batch[0].device)
+        part = batch if len(parts) == 1 else tuple(t.index_select(0, pick) for t in batch)  # (b, T) each
+        grads = torch.autograd.grad(response_logprobs(model, *part).sum(), params, allow_unused=True)
+        total = [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
+    return total
