@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.masks import FisherMaskCallback, apply_masks, save_masks, select_masks
 from fisher_select.models import fingerprint
-from fisher_select.rundir import Run
+from fisher_select.run.load import Run
 from tests import runs
 
 FROZEN = "model.norm.weight"  # forced fully unselected

@@ -12,7 +12,7 @@ from transformers import Trainer, TrainingArguments
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.masks import FisherMaskCallback, apply_masks, select_masks
 from fisher_select.outputs.sparse import SparseDeltaHandle, empty_delta, load_sparse_delta, read_sparse_delta
-from fisher_select.rundir import SPARSE_DELTA_FILE, SPARSE_META_FILE
+from fisher_select.run.names import SPARSE_DELTA_FILE, SPARSE_META_FILE
 from tests.test_masks import FROZEN, batch, make_run, snapshot, tiny_llama, tiny_masks
 
 

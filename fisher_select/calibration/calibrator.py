@@ -32,7 +32,7 @@ from fisher_select.calibration import fsdp
 from fisher_select.calibration.budget import check_memory, estimate_memory, sampling_rows
 from fisher_select.calibration.prompts import PromptRecord, check_context, render_prompt
 from fisher_select.engine.rules import guard_model
-from fisher_select.rundir import BoundsView
+from fisher_select.stats.bounds import BoundsView
 from fisher_select.stats.conformity import ScoreMeanConformity, score_mean_conformity
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.stability import SplitHalf, compare_halves

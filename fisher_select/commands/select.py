@@ -49,7 +49,7 @@ def run_select(args: argparse.Namespace) -> int:
     from fisher_select.atomic import refuse_existing
     from fisher_select.errors import FisherSelectError
     from fisher_select.outputs.masks import save_masks, select_masks
-    from fisher_select.rundir import sidecar_path
+    from fisher_select.run.names import sidecar_path
 
     if args.mass is not None:
         raise FisherSelectError("--mass was two quantities in one word and is gone: pass --fisher-mass Q (a share "
