@@ -7,7 +7,6 @@ import math
 import torch
 
 from fisher_select.stats.bounds import coordinate_bound, module_masses
-from fisher_select.stats.correlation import module_sums
 
 
 def _fisher():
@@ -37,13 +36,6 @@ def test_module_masses_do_not_depend_on_the_parameters_order():
     one, other = module_masses(fisher), module_masses(backwards)
     for mod in one:
         assert (one[mod].fisher_mass, one[mod].bound_mass) == (other[mod].fisher_mass, other[mod].bound_mass)
-
-
-def test_module_sums_read_the_same_masses():
-    fisher = _fisher()
-    masses = module_masses(fisher)
-    assert module_sums(fisher, ["c", "a", "z"], sqrt=True) == [masses["c"].bound_mass, masses["a"].bound_mass, 0.0]
-    assert module_sums(fisher, ["b"], sqrt=False) == [masses["b"].fisher_mass]
 
 
 def test_coordinate_bound_is_sqrt_f_s_and_zero_where_f_is_zero_even_for_infinite_s():

@@ -18,7 +18,8 @@ import torch
 from fisher_select.run.io import read_json, read_tensors
 from fisher_select.run.load import Run, load_run
 from fisher_select.run.names import BOUNDS_FILE, FISHER_FILE, GRAD_GLOB, REPORT_FILE, SAMPLES_FILE, TOKEN_FISHER_FILE
-from fisher_select.stats.correlation import mask_jaccards, module_sums, spearman
+from fisher_select.stats.bounds import module_masses
+from fisher_select.stats.correlation import mask_jaccards, spearman
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.stability import TOP_FRACTIONS
 
@@ -123,8 +124,8 @@ def agreement(a: Run, b: Run, name_a: str, name_b: str) -> PairAgreement:
     common = sorted({module_of(n) for n in fa} & {module_of(n) for n in fb})
     out.common_modules = len(common)
     if common:
-        sub_a = {n: t for n, t in fa.items() if module_of(n) in common}
-        sub_b = {n: t for n, t in fb.items() if module_of(n) in common}
-        out.spearman_bound_mass = spearman(module_sums(sub_a, common, True), module_sums(sub_b, common, True))
-        out.spearman_fisher_mass = spearman(module_sums(sub_a, common, False), module_sums(sub_b, common, False))
+        ma = module_masses({n: t for n, t in fa.items() if module_of(n) in common})
+        mb = module_masses({n: t for n, t in fb.items() if module_of(n) in common})
+        out.spearman_bound_mass = spearman([ma[m].bound_mass for m in common], [mb[m].bound_mass for m in common])
+        out.spearman_fisher_mass = spearman([ma[m].fisher_mass for m in common], [mb[m].fisher_mass for m in common])
     return out

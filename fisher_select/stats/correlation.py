@@ -1,4 +1,5 @@
-"""Agreement between two rankings: Spearman's rank correlation, module sums, top-k mask overlaps."""
+"""Agreement between two rankings: Spearman's rank correlation, top-k mask overlaps (module masses:
+``stats.bounds.module_masses``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import torch
 from scipy import stats as sps
 
 from fisher_select.stats import topk
-from fisher_select.stats.bounds import module_masses
 from fisher_select.stats.ranking import top_count
 
 
@@ -17,12 +17,6 @@ def spearman(x, y) -> float | None:
     if len(x) < 3 or np.all(x == x[0]) or np.all(y == y[0]):
         return None
     return float(sps.spearmanr(x, y).statistic)
-
-
-def module_sums(f: dict[str, torch.Tensor], modules: list[str], sqrt: bool) -> list[float]:
-    """Per module of ``modules`` (in that order): its bound mass (sum of sqrt(F), ``sqrt``) or Fisher mass (sum of F)."""
-    masses = module_masses({name: t.detach() for name, t in f.items()})
-    return [(masses[m].bound_mass if sqrt else masses[m].fisher_mass) if m in masses else 0.0 for m in modules]
 
 
 def mask_jaccards(fa: dict[str, torch.Tensor], fb: dict[str, torch.Tensor], fractions) -> list[float]:

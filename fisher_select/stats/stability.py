@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fisher_select.stats.correlation import mask_jaccards, module_sums, spearman
+from fisher_select.stats.bounds import module_masses
+from fisher_select.stats.correlation import mask_jaccards, spearman
 from fisher_select.stats.naming import module_of
 
 TOP_FRACTIONS = (0.01, 0.1)  # split-half Jaccard of the top 1% and top 10% coordinate masks
@@ -45,9 +46,10 @@ def compare_halves(squares_a: dict[str, torch.Tensor], squares_b: dict[str, torc
     masses shown are divided by each half's samples)."""
     modules = sorted({module_of(n) for n in squares_a})
     scale_a, scale_b = 1 / max(1, samples[0]), 1 / max(1, samples[1])
-    sqrt_a = [v * math.sqrt(scale_a) for v in module_sums(squares_a, modules, sqrt=True)]
-    sqrt_b = [v * math.sqrt(scale_b) for v in module_sums(squares_b, modules, sqrt=True)]
-    rho = spearman(module_sums(squares_a, modules, sqrt=False), module_sums(squares_b, modules, sqrt=False))
+    masses_a, masses_b = module_masses(squares_a), module_masses(squares_b)
+    sqrt_a = [masses_a[m].bound_mass * math.sqrt(scale_a) for m in modules]
+    sqrt_b = [masses_b[m].bound_mass * math.sqrt(scale_b) for m in modules]
+    rho = spearman([masses_a[m].fisher_mass for m in modules], [masses_b[m].fisher_mass for m in modules])
     jaccard = mask_jaccards(squares_a, squares_b, TOP_FRACTIONS)
     out = SplitHalf(list(prompts), list(samples), spearman(sqrt_a, sqrt_b), rho, list(TOP_FRACTIONS), jaccard, STABLE,
                     None, "", [[a, b] for a, b in zip(sqrt_a, sqrt_b)], modules)
