@@ -90,8 +90,8 @@ def row(label: str, report: dict) -> str:
 
 
 HEADER = ("| training | F ranking AUROC | random | abs(theta) | single-batch abs(grad) | second seed | Spectrum SNR "
-          "| KappaTune | Adam-aware SNR | F precision@1% | Adam-aware precision@1% | module rho, bound mass (sum sqrt(F)) "
-          "| module rho, Fisher mass (sum F) | first-step violations |\n" + "|---" * 14 + "|")
+          "| KappaTune | Adam-aware SNR | F precision@1% | Adam-aware precision@1% | module rho, bound mass "
+          "(sum sqrt(F)) | module rho, Fisher mass (sum F) | first-step violations |\n" + "|---" * 14 + "|")
 
 
 MASK_HEADER = ("| training | mask | density | trainable | held-out before | held-out after | full fine-tuning "

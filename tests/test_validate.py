@@ -540,7 +540,8 @@ def test_a_validation_json_of_the_old_format_still_loads_and_renders(tmp_path):
     from fisher_select.report import validation_section as section
     from fisher_select.run.validation import VALIDATION_FORMAT_VERSION, ValidationRecord, load_validations
 
-    old = {"run_id": "r", "model": "m", "objective": {"name": "rl", "type": "rl"}, "auroc": {"q0.99": 0.93, "q0.9": 0.8},
+    old = {"run_id": "r", "model": "m", "objective": {"name": "rl", "type": "rl"},
+           "auroc": {"q0.99": 0.93, "q0.9": 0.8},
            "precision_at_k": {"0.01": 0.25}, "spearman_modules": {"sum_sqrt_fisher": 0.9, "sum_fisher": 0.1,
                                                                   "chosen": "sum_sqrt_fisher"},
            "module_table": [{"module": "a", "sum_fisher": 2.0, "sum_sqrt_fisher": 1.5, "movement": 0.1}],
