@@ -43,3 +43,10 @@ def test_coordinate_bound_is_sqrt_f_s_and_zero_where_f_is_zero_even_for_infinite
     assert torch.equal(coordinate_bound(f, 4.0)["w"], torch.tensor([0.0, 4.0, 6.0]))
     assert torch.equal(coordinate_bound(f, None)["w"], torch.tensor([0.0, 2.0, 3.0]))
     assert coordinate_bound(f, math.inf)["w"].tolist() == [0.0, math.inf, math.inf]
+
+
+def test_module_masses_leave_an_fp64_fisher_as_it_was():
+    f = {"m.weight": torch.tensor([-1e-12, 4.0], dtype=torch.float64)}
+    masses = module_masses(f)
+    assert f["m.weight"].tolist() == [-1e-12, 4.0]  # the in-place square root works on a copy
+    assert masses["m"].bound_mass == 2.0 and masses["m"].fisher_mass == 4.0 - 1e-12

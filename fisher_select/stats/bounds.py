@@ -51,9 +51,11 @@ def module_masses(fisher: dict[str, torch.Tensor]) -> dict[str, ModuleMass]:
         mod = module_of(name)
         entry = out.setdefault(mod, ModuleMass(mod))
         fisher_parts, bound_parts = parts.setdefault(mod, ([], []))
-        root = f.double().clamp_min(0).sqrt()
+        # one fp64 copy (a copy even of fp64 F), turned into sqrt(F) in place: 8 bytes per coordinate at most
+        values = f.detach().to(torch.float64, copy=True)
         entry.numel += f.numel()
-        fisher_parts.append(float(f.double().sum()))
+        fisher_parts.append(float(values.sum()))
+        root = values.clamp_(min=0).sqrt_()
         bound_parts.append(float(root.sum()))
         entry.root_max = max(entry.root_max, float(root.max()) if f.numel() else 0.0)
         entry.parameters.append(name)
