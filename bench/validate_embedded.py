@@ -25,8 +25,9 @@ from pathlib import Path
 
 from fisher_select.recipe import find_recipe, load_recipe
 from fisher_select.pipeline import run_recipe
-from fisher_select.rundir import load_run
-from fisher_select.studies.validate import ValidationConfig, validate, validation_summary_lines
+from fisher_select.report.validation_section import summary_lines
+from fisher_select.run.load import load_run
+from fisher_select.studies.validate import ValidationConfig, validate
 
 RECIPES = {"rl": "rl-arithmetic", "sft": "sft-demonstrations"}
 COLUMNS = ("random", "magnitude", "single_batch_gradient", "second_seed", "spectrum_snr", "kappa")
@@ -82,15 +83,15 @@ def row(label: str, report: dict) -> str:
     base, sm, fs = report["baselines"], report["spearman_modules"], report["first_step"]
     cells = [label, auc(report)] + [auc(base[k]) for k in COLUMNS] + [auc(report["adam_aware"])]
     cells += [_num(report["precision_at_k"]["0.01"]), _num(report["adam_aware"].get("precision_at_k", {}).get("0.01")),
-              _num(sm["sum_sqrt_fisher"]), _num(sm["sum_fisher"])]
+              _num(sm["bound_mass"]), _num(sm["fisher_mass"])]
     cells.append("n/a (no S for the trained objective)" if fs.get("violation_rate") is None else
                  f"{fs['violation_rate']:.1e} (noise {fs['noise_violation_rate']:.1e})")
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = ("| training | F ranking AUROC | random | abs(theta) | single-batch abs(grad) | second seed | Spectrum SNR "
-          "| KappaTune | Adam-aware SNR | F precision@1% | Adam-aware precision@1% | module rho, sum sqrt(F) "
-          "| module rho, sum F | first-step violations |\n" + "|---" * 14 + "|")
+          "| KappaTune | Adam-aware SNR | F precision@1% | Adam-aware precision@1% | module rho, bound mass "
+          "(sum sqrt(F)) | module rho, Fisher mass (sum F) | first-step violations |\n" + "|---" * 14 + "|")
 
 
 MASK_HEADER = ("| training | mask | density | trainable | held-out before | held-out after | full fine-tuning "
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
                       config=options, setup=setup, device=args.device, progress=not args.quiet,
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
                       max_new_tokens=new_tokens)
-    print("\n".join(validation_summary_lines(result.report)))
+    print("\n".join(summary_lines(result.record)))
     cal = load_run(run).report  # the calibration used (with --fisher-run: that run's, not the flags')
     print(f"\nsettings: calibration {cal.num_prompts} x {cal.samples_per_prompt}, {cal.max_new_tokens} new tokens; "
           f"{args.steps} steps of {args.prompts_per_step} x {args.samples_per_prompt}, {new_tokens} new tokens"
@@ -196,8 +197,9 @@ def main(argv=None) -> int:
           f"subsample {args.subsample}; "
           f"{time.time() - started:.0f} s; wrote {result.out}")
     print(HEADER)
-    print(row(label_of(result.report), result.report))
-    masks = mask_rows(label_of(result.report), result.report)
+    measured = result.record.to_json()
+    print(row(label_of(measured), measured))
+    masks = mask_rows(label_of(measured), measured)
     if masks:
         print("\n" + MASK_HEADER + "\n" + "\n".join(masks))
     return 0

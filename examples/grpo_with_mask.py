@@ -42,7 +42,7 @@ from fisher_select.outputs.lora import lora_config  # noqa: E402
 from fisher_select.outputs.masks import select_masks  # noqa: E402
 from fisher_select.training.callback import FisherMaskCallback  # noqa: E402
 from fisher_select.pipeline import run_recipe  # noqa: E402
-from fisher_select.rundir import load_run  # noqa: E402
+from fisher_select.run.load import load_run  # noqa: E402
 
 
 def parse_args(argv=None):

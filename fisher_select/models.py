@@ -28,7 +28,7 @@ from fisher_select.atomic import publish_dir
 from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
 from fisher_select.model_names import DTYPE_NAMES, EMBEDDED_DEFAULT, QUANTIZATIONS
-from fisher_select.rundir import MODEL_SOURCE_FILE
+from fisher_select.run.names import MODEL_SOURCE_FILE
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,10 @@ from fisher_select.errors import DegenerateResultWarning
 from fisher_select.distributed import init_from_env, rank_world
 from fisher_select.models import fingerprint, load_model
 from fisher_select.timing import PhaseClock
-from fisher_select.run_report import build_report, write_run
-from fisher_select.rundir import ModelInfo, RunReport, checkpoint_folder, run_bytes
+from fisher_select.report.build import build_report, write_run_with_pages
+from fisher_select.run.names import checkpoint_folder
+from fisher_select.run.schema import ModelInfo, RunReport
+from fisher_select.run.write import run_bytes
 
 
 @dataclass
@@ -86,7 +88,7 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
         report.mixed_bound = _mixed_summary(cal, recipe.mix)
     clock.lap("report")
     if rank == 0:  # every rank holds the merged result; one writes it
-        write_run(out, cal, report, overwrite, clock)
+        write_run_with_pages(out, cal, report, overwrite, clock)
         log(f"written: {out}")
     finish_checkpoint(ckpt, rank, world, sharded)
     return RunResult(cal, report, out)

@@ -1,4 +1,4 @@
-"""One builder for in-memory runs and run directories in tests (the schema lives in fisher_select.rundir)."""
+"""One builder for in-memory runs and run directories in tests (the schema lives in fisher_select.run.schema)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
-from fisher_select.run_report import module_table
-from fisher_select.rundir import (FISHER_FILE, REPORT_FILE, ModelInfo, ObjectiveEntry, Run, RunReport,
-                                  save_tensors)
+from fisher_select.report.build import module_table
+from fisher_select.run.io import save_tensors
+from fisher_select.run.load import Run
+from fisher_select.run.names import FISHER_FILE, REPORT_FILE
+from fisher_select.run.schema import ModelInfo, ObjectiveEntry, RunReport
 
 
 def make_run(fisher: dict[str, torch.Tensor], *, objectives=({"name": "rl", "signal_scale": 1.0},),

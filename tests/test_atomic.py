@@ -93,12 +93,12 @@ def test_a_full_disk_while_writing_tensors_is_an_os_error_and_leaves_nothing(tmp
     import torch
     from safetensors import SafetensorError
 
-    import fisher_select.rundir as rundir
+    import fisher_select.run.io as run_io
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(rundir, "save_file", full)
+    monkeypatch.setattr(run_io, "save_file", full)
     with pytest.raises(OSError, match="No space left"):
-        write_file(tmp_path / "m.safetensors", lambda p: rundir.save_tensors(p, {"a": torch.zeros(2)}), overwrite=False)
+        write_file(tmp_path / "m.safetensors", lambda p: run_io.save_tensors(p, {"a": torch.zeros(2)}), overwrite=False)
     assert list(tmp_path.iterdir()) == []

@@ -180,7 +180,7 @@ def test_a_disk_without_room_for_the_run_is_refused_after_loading_before_samplin
 
     import fisher_select.atomic as atomic
     import fisher_select.pipeline as pipeline
-    from fisher_select.rundir import run_bytes
+    from fisher_select.run.write import run_bytes
 
     def never(*args, **kwargs):
         raise AssertionError("sampling started on a disk without room for the run")

@@ -92,14 +92,14 @@ def test_load_model_in_4bit_and_calibrate(tmp_path, smol_tokenizer):
 
     from fisher_select.models import fingerprint
     from fisher_select.outputs.lora import lora_config
-    from fisher_select.run_report import build_report, write_run
-    from fisher_select.rundir import ModelInfo
+    from fisher_select.report.build import build_report, write_run_with_pages
+    from fisher_select.run.schema import ModelInfo
 
     report = build_report(cal, model=ModelInfo(str(tmp_path), fingerprint(model), str(tmp_path), "float32", "nf4",
                                             type(model).__name__),
                           recipe=None, recipe_name=None, sampling={}, settings={})
     assert {m.type for m in report.modules} >= {"Linear4bit"}
-    write_run(tmp_path / "run", cal, report, overwrite=False)
+    write_run_with_pages(tmp_path / "run", cal, report, overwrite=False)
     config = lora_config(tmp_path / "run", top_n=3, total_rank=12, rank_step=2, model=model)
     adapted = peft.get_peft_model(model, config)
     lora_layers = {n: m for n, m in adapted.named_modules() if isinstance(m, peft.tuners.lora.bnb.Linear4bit)}

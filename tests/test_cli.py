@@ -38,7 +38,7 @@ def test_run_directory_is_complete(demo_run):
     assert Path(report["model"]["path"], "config.json").is_file()
     assert any("single step" in c.lower() for c in report["caveats"])
     masses = [m["bound_mass"] for m in report["modules"]]  # modules rank by bound mass (sum of sqrt(F))
-    assert masses == sorted(masses, reverse=True) and report["format_version"] == 3
+    assert masses == sorted(masses, reverse=True) and report["format_version"] == 4
     samples = [json.loads(line) for line in (demo_run / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"prompt_ids", "response_ids", "response", "logprob", "truncated"} <= set(samples[0])
     assert report["checks"]["autograd"]["max_relative_error"] < 1e-3

@@ -23,8 +23,8 @@ from fisher_select.outputs.axolotl import (
     unfrozen_parameters,
 )
 from fisher_select.outputs.lora import check_lora_targets, load_lora_config, lora_export
-from fisher_select.rundir import LORA_CONFIG_FILE as ADAPTER_CONFIG
-from fisher_select.rundir import LORA_PROVENANCE_FILE as PROVENANCE_FILE
+from fisher_select.run.names import LORA_CONFIG_FILE as ADAPTER_CONFIG
+from fisher_select.run.names import LORA_PROVENANCE_FILE as PROVENANCE_FILE
 from tests import runs
 from tests.runs import write_run_dir
 from tests.tiny import run_command, tiny_model

@@ -11,7 +11,7 @@ from fisher_select.outputs.masks import save_masks, select_masks
 from fisher_select.training.callback import FisherMaskCallback
 from fisher_select.training.enforce import apply_masks
 from fisher_select.models import fingerprint
-from fisher_select.rundir import Run
+from fisher_select.run.load import Run
 from tests import runs
 
 FROZEN = "model.norm.weight"  # forced fully unselected

@@ -20,8 +20,9 @@ from fisher_select.calibration.sampling import left_pad
 from fisher_select.engine.memory import MemoryMode
 from fisher_select.engine.reference import brute_force_sums
 from fisher_select.models import fingerprint
-from fisher_select.run_report import build_report, write_run
-from fisher_select.rundir import ModelInfo, load_run
+from fisher_select.report.build import build_report, write_run_with_pages
+from fisher_select.run.load import load_run
+from fisher_select.run.schema import ModelInfo
 from tests.tiny import TinyTokenizer, enumeration_model
 
 PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 0", "3 3", "0 4 4 2"])]
@@ -118,7 +119,7 @@ def test_reduced_mode_report_says_what_is_missing_and_writes_a_run(tmp_path):
     text = " ".join(report.warnings)
     assert "score-mean check" in text and "no gradient estimate" in text and "F covers 3 of" in text
     assert report.statistics.get("conformity") is None and not report.statistics.get("bound_ratios")
-    run = load_run(write_run(tmp_path / "run", cal, report, overwrite=False))
+    run = load_run(write_run_with_pages(tmp_path / "run", cal, report, overwrite=False))
     assert set(run.fisher) == set(cal.fisher)
 
 

@@ -19,7 +19,7 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
 from fisher_select.outputs.lora import LoraHints, load_lora_config, lora_config, lora_hints, pattern_key
 from fisher_select.outputs.shira import shira_config
-from fisher_select.rundir import Run
+from fisher_select.run.load import Run
 from tests import runs
 from tests.runs import write_run_dir
 from tests.tiny import run_command

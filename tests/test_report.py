@@ -34,11 +34,13 @@ from fisher_select.report.compare import compare
 from fisher_select.report.statistics import ReportStatistics, module_spread, scale_uncertainty
 from fisher_select.report.text import run_summary_lines as summary_lines
 from fisher_select.report.warnings import run_warnings
-from fisher_select.run_report import build_report, regenerate, write_run
-from fisher_select.rundir import ModelInfo, load_run
+from fisher_select.report.build import build_report, regenerate, write_run_with_pages
+from fisher_select.run.load import load_run
+from fisher_select.run.schema import ModelInfo
 from fisher_select.stats.conformity import CONSISTENT, OFF_POLICY, expected_abs_z, score_mean_conformity
 from fisher_select.stats.naming import module_of
-from fisher_select.stats.stability import MORE_PROMPTS, STABLE, compare_halves, spearman_brown_prompts
+from fisher_select.stats.stability import (MORE_PROMPTS, STABLE, SplitHalf, compare_halves, spearman_brown_prompts,
+                                          suggested_prompts)
 from tests.tiny import TinyTokenizer, enumeration_model, tiny_model
 
 # ---------------------------------------------------------------------------
@@ -140,6 +142,36 @@ def test_identical_halves_are_stable_and_independent_halves_are_not():
 def test_spearman_brown_suggestion():
     assert spearman_brown_prompts(0.5, 10) == 90  # k = 0.9 * 0.5 / (0.5 * 0.1) = 9
     assert spearman_brown_prompts(0.95, 10) == 10 and spearman_brown_prompts(-0.1, 10) is None
+
+
+def test_suggested_prompts_exceed_the_current_count_whenever_a_threshold_falls_short():
+    # the module ranking agrees already (0.95 >= 0.9) but the top-10% masks do not (0.3 < 0.5):
+    # Spearman-Brown on the Jaccard, k = 0.5 * 0.7 / (0.3 * 0.5) = 7/3, so ceil(16 * 7/3) = 38
+    assert suggested_prompts(0.95, 0.3, 16) == 38
+    assert suggested_prompts(0.5, 0.6, 10) == 90  # the Spearman falls short: its projection, as before
+    assert suggested_prompts(0.5, 0.1, 10) == 90  # both short: the larger (Jaccard: k = 9, also 90)
+    assert suggested_prompts(0.5, 0.05, 10) == 190  # Jaccard k = 0.95 / 0.05 = 19
+    assert suggested_prompts(0.95, 0.6, 16) == 16  # stable: no more needed
+    assert suggested_prompts(0.95, 0.0, 16) is None and suggested_prompts(None, 0.6, 16) is None  # no trend
+    for rho, top10 in ((0.9, 0.4999), (0.8999, 0.5), (0.2, 0.9)):  # just short: still strictly more
+        assert suggested_prompts(rho, top10, 16) > 16
+
+
+def _with_split_half(run, rho: float, top10: float, suggested: int | None):
+    stats = ReportStatistics.from_json(run.report.statistics)
+    stats.stability = SplitHalf([8, 8], [64, 64], rho, rho, [0.01, 0.1], [0.1, top10], MORE_PROMPTS, suggested, "m")
+    run.report.statistics = stats.to_json()
+    return summary_lines(run.report)[2]
+
+
+def test_verdict_advises_more_prompts_than_the_run_has(tiny_runs):
+    """A 16-prompt run whose masks disagree was told "about 16 in all"; the count comes from the halves' trend."""
+    run = load_run(tiny_runs[0])
+    advice = _with_split_half(run, 0.95, 0.3, suggested_prompts(0.95, 0.3, 16))
+    assert "calibrate on more prompts (about 38 in all, 22 more)" in advice
+    # a report written by an older release suggested the count it had: no count rather than a wrong one
+    advice = _with_split_half(run, 0.95, 0.3, 16)
+    assert "calibrate on more prompts: the split halves" in advice and "16 in all" not in advice
 
 
 def test_module_spread_is_the_ratio_estimator_standard_error():
@@ -268,7 +300,7 @@ def tiny_runs(tmp_path_factory, cals):
     root = tmp_path_factory.mktemp("report")
     paths = []
     for seed, (_, cal) in enumerate(cals):
-        paths.append(write_run(root / f"seed{seed}", cal, _report(cal, seed), overwrite=False))
+        paths.append(write_run_with_pages(root / f"seed{seed}", cal, _report(cal, seed), overwrite=False))
     return paths
 
 
@@ -336,15 +368,15 @@ def test_report_command_regenerates_the_same_report(tiny_runs, tmp_path, recompu
 
 
 def test_redrawing_the_report_reads_no_tensor(tiny_runs, tmp_path, monkeypatch):
-    import fisher_select.run_report as run_report
-    import fisher_select.rundir as rundir
+    import fisher_select.report.build as build
+    import fisher_select.run.load as run_load
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor file was read")
 
     copy = shutil.copytree(tiny_runs[0], tmp_path / "copy")
-    monkeypatch.setattr(rundir, "read_tensors", refuse)
-    monkeypatch.setattr(run_report, "read_tensors", refuse)
+    monkeypatch.setattr(run_load, "read_tensors", refuse)
+    monkeypatch.setattr(build, "read_tensors", refuse)
     assert (copy / "report.html") in regenerate(copy)
     with pytest.raises(AssertionError, match="tensor file was read"):
         regenerate(copy, recompute=True)

@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 
 from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.checkpoint import Checkpointer, CheckpointConfig
-from fisher_select.rundir import checkpoint_folder
+from fisher_select.run.names import checkpoint_folder
 from fisher_select.calibration.objectives import OPDFullObjective, RLObjective
 from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.calibration.teachers import Teacher
 from fisher_select.errors import FisherSelectError
-from fisher_select.rundir import compare_runs
+from fisher_select.run.verify import compare_runs
 from tests.tiny import TinyTokenizer, enumeration_model, free_port, save_small_llama
 
 KILLER = '''

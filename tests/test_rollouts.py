@@ -26,7 +26,8 @@ from fisher_select.report.warnings import mismatch_warnings
 from fisher_select.calibration.teachers import Teacher, sequence_logprobs
 from fisher_select.errors import FisherSelectError
 from fisher_select.report.warnings import run_warnings
-from fisher_select.rundir import RunReport, load_run
+from fisher_select.run.load import load_run
+from fisher_select.run.schema import RunReport
 from tests.tiny import TinyTokenizer, enumeration_model, free_port, run_command
 
 PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 0", "3 3", "0 4 4", "2 2", "3 0 2"])]
@@ -140,7 +141,7 @@ def test_rollouts_from_another_model_are_reported_as_off_policy(tmp_path):
 
 
 def _minimal_report() -> dict:
-    from fisher_select.rundir import FORMAT_VERSION
+    from fisher_select.run.schema import FORMAT_VERSION
 
     return {"format_version": FORMAT_VERSION, "run_id": "r", "model": {"name": "m", "fingerprint": {}, "path": None,
             "dtype": None, "quantization": None, "architecture": None}, "objectives": [{"name": "rl", "type": "rl",

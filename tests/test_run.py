@@ -12,8 +12,10 @@ import torch
 
 from fisher_select import FisherSelectError
 from fisher_select.atomic import write_dir
-from fisher_select.rundir import (FISHER_FILE, FORMAT_VERSION, REPORT_FILE, ModelInfo, ModuleEntry, ObjectiveEntry,
-                                  RunReport, load_run, migrate)
+from fisher_select.run.load import load_run
+from fisher_select.run.migrate import migrate
+from fisher_select.run.names import FISHER_FILE, REPORT_FILE
+from fisher_select.run.schema import FORMAT_VERSION, ModelInfo, ModuleEntry, ObjectiveEntry, RunReport
 from tests.runs import make_run, write_run_dir
 from tests.tiny import run_command
 
@@ -88,6 +90,22 @@ def test_old_format_is_refused_with_the_version_and_migrate_fixes_it(tmp_path, c
     assert run_command(["migrate", str(path)]) == 0
     assert load_run(path).report.format_version == FORMAT_VERSION
     assert sorted(p.name for p in path.iterdir()) == [FISHER_FILE, REPORT_FILE]  # no temporary left
+
+
+def test_a_format_3_report_migrates_its_sqrt_fisher_mean(tmp_path):
+    run, path = _report_json(tmp_path)
+    data = json.loads((path / REPORT_FILE).read_text())
+    data["format_version"] = 3
+    for module in data["modules"]:
+        module["sqrt_fisher_mean"] = module.pop("bound_mass_per_coordinate")
+    (path / REPORT_FILE).write_text(json.dumps(data))
+    with pytest.raises(FisherSelectError, match=r"run format 3\).*fisher-select migrate"):
+        load_run(path)
+    migrate(path)
+    loaded = load_run(path).report
+    assert loaded.format_version == FORMAT_VERSION and loaded.modules == run.report.modules
+    # layer: sqrt(1) + sqrt(4) + sqrt(0) over 3 coordinates
+    assert loaded.modules[0].bound_mass_per_coordinate == pytest.approx(1.0)
 
 
 def test_a_newer_format_is_not_migrated(tmp_path):

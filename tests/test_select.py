@@ -13,7 +13,9 @@ import torch
 from fisher_select.errors import FisherSelectError
 from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.outputs.masks import load_masks, save_masks, select_masks
-from fisher_select.rundir import Run, save_tensors, sidecar_path
+from fisher_select.run.io import save_tensors
+from fisher_select.run.load import Run
+from fisher_select.run.names import sidecar_path
 from fisher_select.stats.ranking import top_count, top_k_mask
 
 SHAPES = {  # deliberately not in sorted order; mixes 2-D weights with 1-D parameters

@@ -14,7 +14,7 @@ from fisher_select.outputs.masks import select_masks
 from fisher_select.training.callback import FisherMaskCallback
 from fisher_select.training.enforce import apply_masks
 from fisher_select.training.sparse import SparseDeltaHandle, empty_delta, load_sparse_delta, read_sparse_delta
-from fisher_select.rundir import SPARSE_DELTA_FILE, SPARSE_META_FILE
+from fisher_select.run.names import SPARSE_DELTA_FILE, SPARSE_META_FILE
 from tests.test_masks import FROZEN, batch, make_run, snapshot, tiny_llama, tiny_masks
 
 

@@ -10,7 +10,7 @@ import pytest
 from fisher_select.recipe import load_recipe
 from fisher_select.pipeline import run_recipe
 from fisher_select.report.text import run_summary_lines
-from fisher_select.rundir import load_run
+from fisher_select.run.load import load_run
 from fisher_select.timing import PhaseClock
 
 PHASES = ["setup", "model_load", "sampling", "scoring", "checks", "report", "writing"]

@@ -18,6 +18,7 @@ from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.calibration.teachers import Teacher
 from fisher_select.engine.reference import brute_force_sums, per_sample_scores, per_token_scores
 from fisher_select.errors import FisherSelectError
+from fisher_select.report.validation_section import summary_lines
 from fisher_select.stats.ranking import top_count
 from fisher_select.stats.naming import module_of
 from fisher_select.studies import baselines
@@ -26,8 +27,7 @@ from fisher_select.studies.metrics import (Realized, Subsample, auroc, first_ste
                                             spacing)
 from fisher_select.studies.movement import bf16_lost, movement, snapshot
 from fisher_select.studies.first_step import minibatch_snr, row_score_sums, sgd_step, split_half_gradient
-from fisher_select.studies.validate import (Setup, ValidationConfig, global_top_masks, recovered_share, validate,
-                                             validation_summary_lines)
+from fisher_select.studies.validate import Setup, ValidationConfig, global_top_masks, recovered_share, validate
 from tests import enumeration as en
 from tests.runs import make_run
 from tests.tiny import TinyTokenizer, tiny_model
@@ -390,7 +390,7 @@ def test_validate_end_to_end_writes_json_and_plots_and_restores_the_model(rl_set
         assert all(v is None or 0 <= v <= 1 for v in entry["auroc"].values())
         assert all(0 <= v <= 1 for v in entry["precision_at_k"].values())
     assert report["subsample"]["coordinates"] == 3000 and report["subsample"]["of"] == run_numel(run)
-    assert {"sum_sqrt_fisher", "sum_fisher", "chosen"} <= set(report["spearman_modules"])
+    assert {"bound_mass", "fisher_mass", "chosen"} <= set(report["spearman_modules"])
     assert 0 <= report["first_step_violation_rate"] <= 1
     assert len(report["training_outcome"]["runs"]["main"]["per_step"]) == 2
     # the prediction after each step; after the last step it is the report's own AUROC (same movement)
@@ -441,7 +441,7 @@ def check_masked(report, run, model):
         assert r["recovered"] == pytest.approx(sum(shares) / len(shares))
         if len(seeds) > 1:
             assert (r["recovered_spread"]["min"], r["recovered_spread"]["max"]) == (min(shares), max(shares))
-    assert "recovered" in "\n".join(validation_summary_lines(report))
+    assert "recovered" in "\n".join(summary_lines(report))
     return full, start
 
 
@@ -474,7 +474,7 @@ def test_validate_sft_from_demonstrations_end_to_end(tmp_path):
     runs = {r["mask"]: r for r in report["training_outcome"]["masked_fine_tuning"]["runs"]}
     # two seeds train on different minibatches: the spread is real, not one run reported twice
     assert len({e["after"] for e in runs["fisher"]["per_seed"]}) == 2
-    assert "over seeds" in "\n".join(validation_summary_lines(report))
+    assert "over seeds" in "\n".join(summary_lines(report))
     assert full < start  # full fine-tuning lowered the held-out loss: every share above is a real division
     assert report["first_step_violation_rate"] is None and "unknown" in report["first_step"]["reason"]
     outcome = report["training_outcome"]
@@ -532,6 +532,32 @@ def test_report_validation_section_rows_and_plain_failure_sentence():
     said = section.findings(pairs)
     assert sum("does NOT predict" in f for f in said) == 1 and "validation-adamw" in said[1]
     assert section.markdown_lines([]) == [] and section.html_section([]) == ""
+
+
+def test_a_validation_json_of_the_old_format_still_loads_and_renders(tmp_path):
+    """Format 1 (no format_version) named the module aggregates sum_sqrt_fisher / sum_fisher."""
+    from fisher_select.report import validation_section as section
+    from fisher_select.run.validation import VALIDATION_FORMAT_VERSION, ValidationRecord, load_validations
+
+    old = {"run_id": "r", "model": "m", "objective": {"name": "rl", "type": "rl"},
+           "auroc": {"q0.99": 0.93, "q0.9": 0.8},
+           "precision_at_k": {"0.01": 0.25}, "spearman_modules": {"sum_sqrt_fisher": 0.9, "sum_fisher": 0.1,
+                                                                  "chosen": "sum_sqrt_fisher"},
+           "module_table": [{"module": "a", "sum_fisher": 2.0, "sum_sqrt_fisher": 1.5, "movement": 0.1}],
+           "first_step_violation_rate": None, "first_step": {"violation_rate": None, "reason": "why"},
+           "baselines": {}, "adam_aware": {}, "training_outcome": {}, "caveats": ["c"]}
+    folder = tmp_path / "run" / "validation-sgd-seed0"
+    folder.mkdir(parents=True)
+    (folder / "validation.json").write_text(json.dumps(old))
+    [(name, record)] = load_validations(tmp_path / "run")
+    assert name == "validation-sgd-seed0" and record.format_version == VALIDATION_FORMAT_VERSION
+    assert record.spearman_modules == {"bound_mass": 0.9, "fisher_mass": 0.1, "chosen": "bound_mass"}
+    assert record.module_table == [{"module": "a", "fisher_mass": 2.0, "bound_mass": 1.5, "movement": 0.1}]
+    assert record.metrics["auroc"] == {"q0.99": 0.93, "q0.9": 0.8} and record.first_step_violation_rate is None
+    assert section.rows([(name, record)])[0][-3:] == ["0.90", "0.10", "n/a (no S for the trained objective)"]
+    written = record.to_json()  # written again: this format, the new names, the metrics at the top level
+    assert written["format_version"] == VALIDATION_FORMAT_VERSION and written["auroc"] == old["auroc"]
+    assert "sum_sqrt_fisher" not in json.dumps(written) and ValidationRecord.from_json(written) == record
 
 
 def test_first_step_check_refuses_an_estimated_zero_signal_scale(rl_setup):

@@ -39,9 +39,9 @@ from fisher_select.calibration.stability import HalvesState
 from fisher_select.calibration.token_level import TokenState
 from fisher_select.engine.scoring import ScoreSums
 from fisher_select.errors import FisherSelectError
-from fisher_select.rundir import (CHECKPOINT_BATCH_DIR, CHECKPOINT_BATCH_PATTERN, CHECKPOINT_MANIFEST,
-                                  CHECKPOINT_RANK_DIR, CHECKPOINT_SAMPLES, CHECKPOINT_TENSORS, read_json,
-                                  read_samples, read_tensors, save_tensors)
+from fisher_select.run.io import read_json, read_samples, read_tensors, save_tensors
+from fisher_select.run.names import (CHECKPOINT_BATCH_DIR, CHECKPOINT_BATCH_PATTERN, CHECKPOINT_MANIFEST,
+                                     CHECKPOINT_RANK_DIR, CHECKPOINT_SAMPLES, CHECKPOINT_TENSORS)
 
 FORMAT = 1
 MANIFEST, TENSORS, SAMPLES = CHECKPOINT_MANIFEST, CHECKPOINT_TENSORS, CHECKPOINT_SAMPLES

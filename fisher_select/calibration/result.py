@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fisher_select.engine.scoring import ScoreSums
-from fisher_select.rundir import BoundsView
+from fisher_select.stats.bounds import BoundsView
 from fisher_select.stats.conformity import ScoreMeanConformity, score_mean_conformity
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.stability import SplitHalf

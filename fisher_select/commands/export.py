@@ -88,7 +88,7 @@ def _write_sparse_delta(args: argparse.Namespace) -> int:
     from fisher_select.atomic import check_dir_target
     from fisher_select.outputs.masks import MaskSet, load_masks, select_masks
     from fisher_select.training.sparse import empty_delta
-    from fisher_select.rundir import load_run
+    from fisher_select.run.load import load_run
 
     if (args.mask is None) == (args.top is None):
         raise FisherSelectError("--format sparse-delta needs exactly one of --mask FILE (from `fisher-select select`) "

@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
 
 def write_lora(run, kwargs: dict, out: Path, overwrite: bool) -> int:
     from fisher_select.outputs.lora import check_lora_out, lora_export
-    from fisher_select.rundir import LORA_PROVENANCE_FILE
+    from fisher_select.run.names import LORA_PROVENANCE_FILE
 
     check_lora_out(out, overwrite)  # before the selection, not after it
     export = lora_export(run, **kwargs)

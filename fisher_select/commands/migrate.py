@@ -15,7 +15,9 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from fisher_select.rundir import FORMAT_VERSION, load_run, migrate
+    from fisher_select.run.load import load_run
+    from fisher_select.run.migrate import migrate
+    from fisher_select.run.schema import FORMAT_VERSION
 
     migrate(args.run)
     run = load_run(args.run)  # proves the result loads

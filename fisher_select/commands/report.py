@@ -19,7 +19,7 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from fisher_select.run_report import regenerate
+    from fisher_select.report.build import regenerate
 
     for path in regenerate(args.run, recompute=args.recompute):
         print(f"wrote {path}")

@@ -47,7 +47,7 @@ def register(subparsers) -> None:
 def run_select(args: argparse.Namespace) -> int:
     from fisher_select.atomic import refuse_existing
     from fisher_select.outputs.masks import save_masks, select_masks
-    from fisher_select.rundir import sidecar_path
+    from fisher_select.run.names import sidecar_path
 
     out = Path(args.out)
     refuse_existing([out, sidecar_path(out)], args.overwrite)  # before the (possibly long) selection

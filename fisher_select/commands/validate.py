@@ -47,8 +47,9 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from fisher_select.run_report import regenerate
-    from fisher_select.studies.validate import ValidationConfig, validate, validation_summary_lines
+    from fisher_select.report.build import regenerate
+    from fisher_select.report.validation_section import summary_lines
+    from fisher_select.studies.validate import ValidationConfig, validate
 
     config = ValidationConfig(subsample=args.subsample, second_seed=not args.no_second_seed,
                                 first_step_prompts=args.first_step_prompts, eval_prompts=args.eval_prompts,
@@ -62,7 +63,7 @@ def main(args) -> int:
     result = validate(args.run, args.steps, args.optimizer, args.lr, args.weight_decay, args.seed, out=args.out,
                       overwrite=args.overwrite, config=config, device=args.device, progress=not args.no_progress,
                       **batch)
-    for line in validation_summary_lines(result.report):
+    for line in summary_lines(result.record):
         print(line)
     if result.out is not None:
         print(f"wrote {result.out}")

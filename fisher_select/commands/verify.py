@@ -22,7 +22,7 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from fisher_select.rundir import compare_runs
+    from fisher_select.run.verify import compare_runs
 
     diff = compare_runs(args.run_a, args.run_b)
     for line in diff.results:

@@ -40,8 +40,8 @@ from fisher_select.models import check_fingerprint
 from fisher_select.outputs.lora import refuse_unmatched
 from fisher_select.outputs.config import DEFAULT_BOUND_MASS
 from fisher_select.outputs.config import UnfreezeConfig  # noqa: F401  (its former home: imports still work)
-from fisher_select.rundir import Run, load_run
-from fisher_select.stats.naming import module_of
+from fisher_select.run.load import Run, load_run
+from fisher_select.stats.bounds import module_masses
 
 AXOLOTL_KEY = "unfrozen_parameters"
 _RANGE_SUFFIX = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")  # axolotl's LayerNamePattern range syntax
@@ -190,18 +190,13 @@ def unfrozen_parameters(
 
 def _module_bound_mass(run: Run, objective: str | None) -> list[dict]:
     """Per module (parameters grouped by dotted prefix, as the report groups them): sum of sqrt(F)."""
-    table: dict[str, dict] = {}
-    for name, f in run.fisher_for(objective).items():
+    fisher = run.fisher_for(objective)
+    for name, f in fisher.items():
         if not bool(f.isfinite().all()):
             raise FisherSelectError(f"run {run.run_id}: Fisher of {name} holds NaN/inf values; recalibrate this run")
-        unit = table.setdefault(module_of(name), {"name": module_of(name), "parameters": [], "numel": 0, "parts": []})
-        unit["parameters"].append(name)
-        unit["numel"] += f.numel()
-        unit["parts"].append(float(f.double().clamp_min(0).sqrt().sum()))
-    for unit in table.values():
-        unit["parameters"].sort()
-        unit["bound_mass"] = math.fsum(unit.pop("parts"))  # exact: independent of parameter order
-    return sorted(table.values(), key=lambda u: (-u["bound_mass"], u["name"]))
+    units = [{"name": m.name, "parameters": sorted(m.parameters), "numel": m.numel, "bound_mass": m.bound_mass}
+             for m in module_masses(fisher).values()]
+    return sorted(units, key=lambda u: (-u["bound_mass"], u["name"]))
 
 
 def _choose(units: list[dict], total: float, share: float | None, top_modules: int | None) -> list[dict]:

@@ -36,8 +36,9 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
 from fisher_select.outputs import targets as tg
 from fisher_select.outputs.config import DEFAULT_COVERAGE, LoraHintConfig
-from fisher_select.rundir import (LORA_CONFIG_FILE, LORA_PROVENANCE_FILE, LORA_PROVENANCE_FORMAT, Run, load_run,
-                                  read_json)
+from fisher_select.run.io import read_json
+from fisher_select.run.load import Run, load_run
+from fisher_select.run.names import LORA_CONFIG_FILE, LORA_PROVENANCE_FILE, LORA_PROVENANCE_FORMAT
 from fisher_select.stats.naming import module_of
 
 

@@ -46,7 +46,9 @@ from fisher_select.atomic import refuse_existing, write_file
 from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.config import SCORES
-from fisher_select.rundir import MASK_FORMAT, Run, load_run, save_tensors, sidecar_path
+from fisher_select.run.io import save_tensors
+from fisher_select.run.load import Run, load_run
+from fisher_select.run.names import MASK_FORMAT, sidecar_path
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import nonnegative, top_count, top_units
 from fisher_select.stats.topk import coarse_histogram, threshold_keys

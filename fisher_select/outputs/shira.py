@@ -22,7 +22,7 @@ from fisher_select.caveats import MASK_CAVEAT as CAVEAT
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs import targets as tg
 from fisher_select.outputs.config import DEFAULT_COVERAGE, DEFAULT_RANKING
-from fisher_select.rundir import Run, load_run
+from fisher_select.run.load import Run, load_run
 from fisher_select.stats.ranking import top_k_mask
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
-from fisher_select.rundir import ModuleEntry, Run
+from fisher_select.run.load import Run
+from fisher_select.run.schema import ModuleEntry
 
 # Input embeddings / output heads by name, only for reports that record neither the rules' roles
 # (``coverage["embeddings"]``, written by calibrate) nor come with the model.

@@ -1,37 +1,18 @@
 """Runs side by side (two objectives, two models, two seeds): their numbers, and how much their
-Fisher rankings agree (top-k coordinate mask overlap, rank correlation of module masses).
-
-Unlike ``rundir.compare_runs`` (bit-for-bit reproducibility), this compares results that are
-expected to differ.
+Fisher rankings agree (``run.verify.agreement``: top-k coordinate mask overlap, rank correlation of
+module masses). This module lays the comparison out; ``run.verify`` compares.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import fmt, interval, pct, uncertainty_of
-from fisher_select.rundir import Run, load_run
-from fisher_select.stats.correlation import mask_jaccards, module_sums, spearman
-from fisher_select.stats.naming import module_of
-from fisher_select.stats.stability import TOP_FRACTIONS
-
-
-@dataclass
-class PairAgreement:
-    """How two runs' Fishers agree; ``comparable`` is False when their parameters differ."""
-
-    run_a: str
-    run_b: str
-    comparable: bool
-    top_fractions: list[float] = field(default_factory=list)
-    jaccard: list[float] = field(default_factory=list)  # of the exact top-fraction masks of F, per fraction
-    spearman_bound_mass: float | None = None  # module sums of sqrt(F), over common modules
-    spearman_fisher_mass: float | None = None  # module sums of F
-    common_modules: int = 0
-    note: str = ""
+from fisher_select.run.load import Run, load_run
+from fisher_select.run.verify import PairAgreement, agreement
 
 
 @dataclass
@@ -64,25 +45,6 @@ def _summary(run: Run, path: str) -> dict:
             "conformity": stats.conformity.verdict if stats.conformity else "n/a",
             "stability": stats.stability.verdict if stats.stability else "n/a",
             "top 1% mass": pct(conc.fisher_mass_shares[1]) if conc else "n/a"}
-
-
-def agreement(a: Run, b: Run, name_a: str, name_b: str) -> PairAgreement:
-    fa, fb = a.fisher, b.fisher
-    same = set(fa) == set(fb) and all(fa[n].shape == fb[n].shape for n in fa)
-    out = PairAgreement(name_a, name_b, same)
-    if same:
-        out.top_fractions = list(TOP_FRACTIONS)
-        out.jaccard = mask_jaccards(fa, fb, TOP_FRACTIONS)
-    else:
-        out.note = "different parameters (names or shapes): no coordinate masks to overlap"
-    common = sorted({module_of(n) for n in fa} & {module_of(n) for n in fb})
-    out.common_modules = len(common)
-    if common:
-        sub_a = {n: t for n, t in fa.items() if module_of(n) in common}
-        sub_b = {n: t for n, t in fb.items() if module_of(n) in common}
-        out.spearman_bound_mass = spearman(module_sums(sub_a, common, True), module_sums(sub_b, common, True))
-        out.spearman_fisher_mass = spearman(module_sums(sub_a, common, False), module_sums(sub_b, common, False))
-    return out
 
 
 def comparison_lines(c: Comparison) -> list[str]:

@@ -8,7 +8,7 @@ from fisher_select.report import outcomes_section, validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
                                        ranked_modules, scale_text, uncertainty_of, verdict_lines)
-from fisher_select.rundir import RunReport
+from fisher_select.run.schema import RunReport
 
 TOP_MODULES = 30
 

@@ -14,7 +14,8 @@ import math
 import statistics
 from pathlib import Path
 
-from fisher_select.rundir import OUTCOMES_GLOB, OUTCOMES_PLOT, read_json_files
+from fisher_select.run.io import read_json_files
+from fisher_select.run.names import OUTCOMES_GLOB, OUTCOMES_PLOT
 
 # The fisher_select choice each peer is held against: masks at the same density, LoRA and SHiRA
 # at the same trainable count.

@@ -15,7 +15,7 @@ from fisher_select.report import outcomes_section, plots, validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
                                        ranked_modules, verdict_lines)
-from fisher_select.rundir import RunReport
+from fisher_select.run.schema import RunReport
 
 TOP_MODULES = 30
 EXAMPLE_SAMPLES = 6

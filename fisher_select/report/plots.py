@@ -21,7 +21,7 @@ from scipy import stats as sps
 
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import ranked_modules
-from fisher_select.rundir import RunReport
+from fisher_select.run.schema import RunReport
 from fisher_select.stats.naming import layer_and_kind
 
 TOP = 30  # modules in the per-module bar charts
@@ -124,7 +124,7 @@ def bounds_plot(report: RunReport) -> Plot | None:
     for i, o in enumerate(objectives):
         root = math.sqrt(o.signal_scale)
         off = y - 0.4 + step * (i + 0.5)
-        ax.barh(off, _positive([m.sqrt_fisher_mean * root for m in mods]), step, color=f"C{i}",
+        ax.barh(off, _positive([m.bound_mass_per_coordinate * root for m in mods]), step, color=f"C{i}",
                 label=f"{o.name}: mean bound")
         if i == 0 and all(m.bound_max is not None for m in mods):  # bound_max is the primary's
             ax.plot(_positive([m.bound_max for m in mods]), off, "|", color="k", ms=8, label=f"{o.name}: largest")

@@ -9,7 +9,7 @@ import math
 
 from fisher_select.caveats import CAVEAT_LINE, CAVEATS
 from fisher_select.report.statistics import ReportStatistics, ScaleUncertainty
-from fisher_select.rundir import ModuleEntry, RunReport
+from fisher_select.run.schema import ModuleEntry, RunReport
 
 HEAVY_WEIGHT_SHARE = 0.5  # SFT: one sample carries more than half a prompt's importance weight
 LOW_ESS_FRACTION = 0.5  # SFT: effective sample size below half of K
@@ -215,7 +215,9 @@ def _what_to_change(report: RunReport, stats: ReportStatistics) -> str:
                       f"of {u.num_prompts} prompts carried no signal")
     s = stats.stability
     if s is not None and s.verdict != "stable":
-        more = f" (about {s.prompts_suggested} in all)" if s.prompts_suggested else ""
+        total = sum(s.prompts)  # a report of an older release may suggest no more than it has: say no count then
+        more = (f" (about {s.prompts_suggested} in all, {s.prompts_suggested - total} more)"
+                if s.prompts_suggested and s.prompts_suggested > total else "")
         advice.append(f"calibrate on more prompts{more}: the split halves do not agree yet")
     if not advice:
         return "What to change: nothing this report flags."

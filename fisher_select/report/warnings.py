@@ -11,7 +11,7 @@ import math
 from fisher_select.caveats import ZERO_SCALE_WARNING
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import fmt
-from fisher_select.rundir import ObjectiveEntry, RunReport
+from fisher_select.run.schema import ObjectiveEntry, RunReport
 from fisher_select.stats.conformity import OFF_POLICY
 from fisher_select.stats.stability import STABLE
 

@@ -39,9 +39,10 @@ from fisher_select.atomic import write_file
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.lora import lora_hints, trainable_lora_parameters
 from fisher_select.outputs.shira import shira_config
-from fisher_select.run_report import regenerate
-from fisher_select.rundir import (OUTCOMES_FILE, OUTCOMES_PLOT, Run, load_run, load_run_report, outcomes_dir,
-                                  write_json)
+from fisher_select.report.build import regenerate
+from fisher_select.run.io import write_json
+from fisher_select.run.load import Run, load_run, load_run_report
+from fisher_select.run.names import OUTCOMES_FILE, OUTCOMES_PLOT, outcomes_dir
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
 from fisher_select.studies import baselines, plots

@@ -16,7 +16,6 @@ Output: ``validation.json`` and plots, written atomically into one directory (de
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -31,14 +30,18 @@ from fisher_select.calibration.prompts import PromptRecord, load_prompts
 from fisher_select.recipe import build_objectives, parse_recipe
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint, load_model
-from fisher_select.rundir import VALIDATION_FILE, VALIDATION_PLOTS, Run, coordinate_bound, load_run, validation_dir
+from fisher_select.run.io import write_json
+from fisher_select.run.load import Run, load_run
+from fisher_select.run.names import VALIDATION_FILE, VALIDATION_PLOTS, validation_dir
+from fisher_select.run.validation import ValidationRecord
+from fisher_select.stats.bounds import coordinate_bound, module_masses
 from fisher_select.stats.correlation import spearman
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import global_top_masks
 from fisher_select.studies import baselines, plots
 from fisher_select.studies.first_step import minibatch_snr, row_score_sums, sgd_step, split_half_gradient
 from fisher_select.studies.loop import Streams, TrainConfig, backward, make_task, train
-from fisher_select.studies.metrics import TOP_K, Realized, Subsample, first_step_check, ranking_metrics
+from fisher_select.studies.metrics import Realized, Subsample, first_step_check, ranking_metrics
 from fisher_select.studies.movement import LazyMovement, bf16_lost, gradients, load_snapshot, movement, snapshot
 from fisher_select.studies.rankings import CURVE_FRACTIONS, Reduced, Rankings, auroc_by_step, reduce
 
@@ -76,9 +79,14 @@ class Setup:
 
 @dataclass
 class ValidationResult:
-    report: dict  # validation.json
+    record: ValidationRecord  # validation.json
     figures: dict  # data of the plots
     out: Path | None = None
+
+    @property
+    def report(self) -> dict:
+        """Deprecated (one release): validation.json as a dict; use ``record`` (or ``record.to_json()``)."""
+        return self.record.to_json()
 
 
 def validate(run, steps: int, optimizer: str = "sgd", lr: float = 1e-4, weight_decay: float = 0.0, seed: int = 0,
@@ -167,12 +175,12 @@ class _Validation:
         second = self._train(self.settings.seed + 1, "second seed") if self.options.second_seed else None
         masked = self._masked(before, main, second)
         load_snapshot(self.model, self.theta0)
-        report, figures = self._assemble(main, second, single, adam, first, first_rows, before, masked)
+        record, figures = self._assemble(main, second, single, adam, first, first_rows, before, masked)
         if main["summary"]["max"] == 0:
-            report["caveats"].insert(0, "no coordinate moved: the training signal was zero on every step (e.g. "
-                                        "all rewards of each prompt equal); the metrics are undefined")
-        report["elapsed_s"] = time.time() - started
-        return ValidationResult(report, figures)
+            record.caveats.insert(0, "no coordinate moved: the training signal was zero on every step (e.g. "
+                                     "all rewards of each prompt equal); the metrics are undefined")
+        record.elapsed_s = time.time() - started
+        return ValidationResult(record, figures)
 
     # -- measurements ---------------------------------------------------------------------------
 
@@ -320,51 +328,49 @@ class _Validation:
     def _assemble(self, main, second, single, adam, first, first_rows, before, masked):
         seed = self.settings.seed + METRIC_STREAM
         moved = main["moved"]
-        fisher = reduce(self.fisher, self.sub)
-        root = reduce(self.fisher, self.sub, lambda f: f.clamp_min(0).sqrt())
+        scores = self.sub.take(self.fisher)  # (M,)
+        masses = module_masses(self.fisher)
         modules = sorted(moved.modules)
         target = [moved.modules[m] for m in modules]
         self.realized = Realized(moved.sub, CURVE_FRACTIONS, seed)  # the moved sets, once for every ranking
-        metrics, curve = ranking_metrics(fisher.sub, self.realized, seed + 1, CURVE_FRACTIONS)
-        rho_root = spearman([root.modules[m] for m in modules], target)
-        rho_mass = spearman([fisher.modules[m] for m in modules], target)
-        chosen = "sum_sqrt_fisher" if (rho_root or -2) >= (rho_mass or -2) else "sum_fisher"
+        metrics, curve = ranking_metrics(scores, self.realized, seed + 1, CURVE_FRACTIONS)
+        rho_root = spearman([masses[m].bound_mass for m in modules], target)
+        rho_mass = spearman([masses[m].fisher_mass for m in modules], target)
+        chosen = "bound_mass" if (rho_root or -2) >= (rho_mass or -2) else "fisher_mass"
         rankings = Rankings(self.sub, self.realized, moved, seed, {"fisher": curve})
         curves = rankings.curves
         base = rankings.baselines(self.theta0, self.model, single, second)
-        report = {
-            "run_id": self.run.run_id, "model": self.run.report.model.name,
-            "objective": {"name": self.setup.objective.name, "type": self.setup.objective.kind},
-            "settings": {**dataclasses.asdict(self.settings), **dataclasses.asdict(self.options),
-                         "first_step_rows": first_rows},
-            "training": {"estimator": self.task.description, "weights": "fp32 master weights, eval mode (no dropout)",
-                         "movement": "|theta_T - theta_0| per coordinate in fp32 after all steps",
-                         "moved": "AUROC: above the q-quantile of realized movement; precision/recall@k: against "
-                                  "the realized top 1%; jaccard@k: predicted vs realized top-k"},
-            "subsample": self.sub.describe(self.settings.seed),
-            "ranking": "the run's F (fisher.safetensors; for one objective the bound sqrt(F S) ranks identically)",
-            **metrics,
-            "spearman_modules": {"sum_sqrt_fisher": rho_root, "sum_fisher": rho_mass, "chosen": chosen,
-                                 "modules": len(modules),
-                                 "meaning": "Spearman over modules of the aggregate against module movement "
-                                            "(sum of |delta| over the module's coordinates)"},
-            "module_table": [{"module": m, "sum_fisher": fisher.modules[m], "sum_sqrt_fisher": root.modules[m],
-                              "movement": moved.modules[m]} for m in modules],
-            "auroc_by_step": auroc_by_step(fisher.sub, main["by_step"]),
-            "first_step_violation_rate": first.get("violation_rate"), "first_step": first,
-            "training_outcome": self._outcome(main, second, before, masked),
-            "baselines": base,
-            "adam_aware": rankings.adam(adam),
-            "movement_summary": {"main": main["summary"], "second_seed": second["summary"] if second else None},
-            "caveats": _caveats(self.run, self.setup, self.settings, self.logs),
-        }
+        record = ValidationRecord(
+            run_id=self.run.run_id, model=self.run.report.model.name,
+            objective={"name": self.setup.objective.name, "type": self.setup.objective.kind},
+            settings={**dataclasses.asdict(self.settings), **dataclasses.asdict(self.options),
+                      "first_step_rows": first_rows},
+            training={"estimator": self.task.description, "weights": "fp32 master weights, eval mode (no dropout)",
+                      "movement": "|theta_T - theta_0| per coordinate in fp32 after all steps",
+                      "moved": "AUROC: above the q-quantile of realized movement; precision/recall@k: against "
+                               "the realized top 1%; jaccard@k: predicted vs realized top-k"},
+            subsample=self.sub.describe(self.settings.seed),
+            ranking="the run's F (fisher.safetensors; for one objective the bound sqrt(F S) ranks identically)",
+            metrics=metrics,
+            spearman_modules={"bound_mass": rho_root, "fisher_mass": rho_mass, "chosen": chosen,
+                              "modules": len(modules),
+                              "meaning": "Spearman over modules of the aggregate (bound mass: sum of sqrt(F); "
+                                         "Fisher mass: sum of F) against module movement (sum of |delta| over "
+                                         "the module's coordinates)"},
+            module_table=[{"module": m, "fisher_mass": masses[m].fisher_mass, "bound_mass": masses[m].bound_mass,
+                           "movement": moved.modules[m]} for m in modules],
+            auroc_by_step=auroc_by_step(scores, main["by_step"]),
+            first_step=first, training_outcome=self._outcome(main, second, before, masked), baselines=base,
+            adam_aware=rankings.adam(adam),
+            movement_summary={"main": main["summary"], "second_seed": second["summary"] if second else None},
+            caveats=_caveats(self.run, self.setup, self.settings, self.logs))
         scale, _ = self._scale()
-        bound_sub = coordinate_bound({"x": fisher.sub}, scale)["x"]
+        bound_sub = coordinate_bound({"x": scores}, scale)["x"]
         scale_known = scale is not None
         figures = {"bound": bound_sub, "moved": moved.sub, "curves": curves, "logs": dict(self.logs),
                    "bound_label": "bound sqrt(F S)" if scale_known else "sqrt(F) (S unknown)",
                    "outcome_label": self.task.outcome_name}
-        return report, figures
+        return record, figures
 
     def _outcome(self, main, second, before, masked) -> dict:
         runs = {"main": {"seed": main["seed"], "per_step": main["log"], "held_out_after": main["after"]}}
@@ -423,68 +429,6 @@ def write_validation(out: Path, result: ValidationResult, overwrite: bool) -> Pa
         plots.bound_vs_movement(tmp / VALIDATION_PLOTS["bound"], fig["bound"], fig["moved"], fig["bound_label"], 0)
         plots.overlap_curves(tmp / VALIDATION_PLOTS["curves"], list(CURVE_FRACTIONS), fig["curves"])
         plots.objective_curves(tmp / VALIDATION_PLOTS["objective"], fig["logs"], fig["outcome_label"])
-        (tmp / VALIDATION_FILE).write_text(json.dumps(result.report, indent=2, default=_json_default) + "\n")
+        write_json(tmp / VALIDATION_FILE, result.record.to_json())
 
     return write_dir(out, writer, overwrite=overwrite)
-
-
-def _json_default(obj):
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
-
-
-def validation_summary_lines(report: dict) -> list[str]:
-    """The CLI's table: each ranking's AUROC (q = 0.99), precision@1% and module Spearman."""
-    rows = [("fisher (F / bound)", report)] + [(k, v) for k, v in report["baselines"].items()]
-    if "auroc" in report.get("adam_aware", {}):
-        rows.append(("adam-aware SNR (beyond the bound)", report["adam_aware"]))
-    lines = [f"{'ranking':<34} {'AUROC@q0.99':>11} {'AUROC@q0.9':>10} {'prec@1%':>8} {'module rho':>10}"]
-    for label, e in rows:
-        if "auroc" not in e:
-            lines.append(f"{label:<34} unavailable: {e.get('unavailable', '')}")
-            continue
-        rho = e["spearman_modules"]
-        rho = rho["sum_sqrt_fisher"] if isinstance(rho, dict) else rho
-        lines.append(f"{label:<34} {_fmt(e['auroc']['q0.99']):>11} {_fmt(e['auroc']['q0.9']):>10} "
-                     f"{_fmt(e['precision_at_k'][str(TOP_K[1])]):>8} {_fmt(rho):>10}")
-    sm = report["spearman_modules"]
-    lines.append(f"module aggregates vs module movement: sum sqrt(F) rho = {_fmt(sm['sum_sqrt_fisher'])}, "
-                 f"sum F rho = {_fmt(sm['sum_fisher'])} (chosen: {sm['chosen']})")
-    fs = report["first_step"]
-    if fs.get("violation_rate") is None:
-        lines.append(f"first-step check: not applicable ({fs.get('reason')})")
-    else:
-        lines.append(f"first-step check: {fs['violation_rate']:.2e} of coordinates above the bound "
-                     f"({fs['violation_rate_beyond_rounding']:.2e} beyond fp32 rounding); noise alone: "
-                     f"{fs['noise_violation_rate']:.2e}")
-    steps = report.get("auroc_by_step", {}).get("q0.99")
-    if steps:
-        lines.append("F AUROC@q0.99 after each step: " + ", ".join(_fmt(x) for x in steps))
-    lost = report["movement_summary"]["main"].get("bf16_lost_share")
-    if lost is not None:
-        lines.append(f"bf16: {lost:.1%} of the moved coordinates' updates would round away in bf16 weights "
-                     "(fp32 master weights keep them)")
-    return lines + masked_lines(report)
-
-
-def masked_lines(report: dict) -> list[str]:
-    """The masked fine-tuning table: each mask's density, trainable count, held-out objective and share recovered."""
-    masked = report["training_outcome"].get("masked_fine_tuning")
-    if not masked:
-        return []
-    lines = [f"masked fine-tuning (held-out {report['training_outcome']['held_out_metric'].split(',')[0]}: "
-             f"before {masked['before']:.4f}, full fine-tuning {masked['full_fine_tuning']:.4f}; "
-             f"recovered = {masked['recovered']})",
-             f"{'mask':<10} {'density':>8} {'trainable':>11} {'held-out after':>14} {'recovered':>9} "
-             f"{'over seeds (min..max)':>22}"]
-    for r in masked["runs"]:
-        spread = r.get("recovered_spread")
-        spread = f"{_fmt(spread['min'])}..{_fmt(spread['max'])}" if spread else "one seed"
-        lines.append(f"{r['mask']:<10} {r['density']:>8.4f} {r['trainable']:>11,} {r['after']:>14.4f} "
-                     f"{_fmt(r['recovered']):>9} {spread:>22}")
-    return lines
-
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.3f}"

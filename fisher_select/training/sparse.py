@@ -53,7 +53,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fisher_select.atomic import write_dir
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint, fingerprint
-from fisher_select.rundir import SPARSE_DELTA_FILE, SPARSE_FORMAT, SPARSE_META_FILE, save_tensors, write_json
+from fisher_select.run.io import save_tensors, write_json
+from fisher_select.run.names import SPARSE_DELTA_FILE, SPARSE_FORMAT, SPARSE_META_FILE
 
 ATTR = "sparse_values"  # the child module of an owning module that holds its values
 META_KEY = "fisher_select"

@@ -1,5 +1,5 @@
-"""The report of a run, beside the run schema: built from a calibration, refreshed from a run's files,
-and the run directory written with its pages (``write_run``, the one writer of a whole run).
+"""The report of a run: built from a calibration, refreshed from a run's files, and handed with its
+pages to the run directory's one writer (``run.write``).
 
 Every report carries the caveats of ``fisher_select.caveats``, first, with the run's own numbers
 where they bite (``report.text.caveat_block``). The report's statistics (``report.statistics``)
@@ -16,18 +16,19 @@ from pathlib import Path
 
 import torch
 
-from fisher_select.atomic import write_dir, write_file
 from fisher_select.caveats import CAVEATS
 from fisher_select.distributed import rank_world
-from fisher_select.report import markdown, outcomes_section, page, validation_section
+from fisher_select.report import markdown, outcomes_section, page
 from fisher_select.report.statistics import (ReportStatistics, bound_ratio, concentration, module_spread,
                                              scale_uncertainty, signal_diagnostics)
 from fisher_select.report.warnings import run_warnings
-from fisher_select.rundir import (HTML_FILE, MARKDOWN_FILE, REPORT_FILE, SAMPLES_FILE, ModelInfo, ModuleEntry,
-                                  ObjectiveEntry, RunReport, grad_file_for, load_run, load_run_report, new_run_id,
-                                  read_run_samples,
-                                  read_tensors, utc_now, write_json, write_run_tensors)
-from fisher_select.stats.naming import module_of
+from fisher_select.run.io import read_run_samples, read_tensors
+from fisher_select.run.load import load_run, load_run_report
+from fisher_select.run.names import HTML_FILE, MARKDOWN_FILE, SAMPLES_FILE, grad_file_for
+from fisher_select.run.schema import ModelInfo, ModuleEntry, ObjectiveEntry, RunReport, new_run_id, utc_now
+from fisher_select.run.validation import load_validations
+from fisher_select.run.write import rewrite_report, write_run
+from fisher_select.stats.bounds import module_masses
 from fisher_select.timing import PhaseClock
 from fisher_select.version import __version__
 
@@ -42,28 +43,20 @@ def module_table(fisher: dict[str, torch.Tensor], scale: float | None, types: di
     ``rel_stderr`` module name -> relative standard error of its F mass (from the per-batch spread).
     """
     root = math.sqrt(scale) if scale is not None else None
-    table: dict[str, ModuleEntry] = {}
-    sqrt_max: dict[str, float] = {}
-    for name, f in fisher.items():
-        mod = module_of(name)
-        entry = table.setdefault(mod, ModuleEntry(mod, 0, 0.0, [], type=(types or {}).get(mod)))
-        root_f = f.double().clamp_min(0).sqrt()
-        entry.numel += f.numel()
-        entry.fisher_mass += float(f.double().sum())
-        entry.bound_mass += float(root_f.sum())
-        sqrt_max[mod] = max(sqrt_max.get(mod, 0.0), float(root_f.max()) if f.numel() else 0.0)
-        entry.parameters.append(name)
+    masses = module_masses(fisher)
+    table = [ModuleEntry(m.name, m.numel, m.fisher_mass, m.parameters, type=(types or {}).get(m.name),
+                         bound_mass=m.bound_mass) for m in masses.values()]
     # fsum: exact, so the shares do not depend on the order the parameters come in (memory vs file)
-    total = math.fsum(e.fisher_mass for e in table.values()) or 1.0
-    bound_total = math.fsum(e.bound_mass for e in table.values()) or 1.0
-    for e in table.values():
-        e.sqrt_fisher_mean = e.bound_mass / max(1, e.numel)
-        e.bound_mean = None if root is None else e.sqrt_fisher_mean * root
-        e.bound_max = None if root is None else sqrt_max[e.name] * root
+    total = math.fsum(e.fisher_mass for e in table) or 1.0
+    bound_total = math.fsum(e.bound_mass for e in table) or 1.0
+    for e in table:
+        e.bound_mass_per_coordinate = e.bound_mass / max(1, e.numel)
+        e.bound_mean = None if root is None else e.bound_mass_per_coordinate * root
+        e.bound_max = None if root is None else masses[e.name].root_max * root
         e.fisher_share = e.fisher_mass / total
         e.bound_share = e.bound_mass / bound_total
         e.fisher_mass_rel_stderr = (rel_stderr or {}).get(e.name)
-    return sorted(table.values(), key=lambda e: (-e.bound_mass, e.name))
+    return sorted(table, key=lambda e: (-e.bound_mass, e.name))
 
 
 def build_report(cal, *, model: ModelInfo, recipe: dict | None, recipe_name: str | None, sampling: dict,
@@ -137,13 +130,12 @@ def regenerate(path: "str | Path", recompute: bool = False) -> list[Path]:
         report = refresh_report(run, [_load_grad(path / e.grad_file) for e in run.report.objectives], samples)
     else:
         report.warnings = run_warnings(report)
-    checked = validation_section.load_validations(path)  # what `fisher-select validate` measured, if anything
+    checked = load_validations(path)  # what `fisher-select validate` measured, if anything
     outcomes = outcomes_section.load_outcomes(path)  # what the outcome study measured, if it ran
-    writers = {REPORT_FILE: lambda tmp: write_json(tmp, report.to_json()),
-               MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report, checked, outcomes),
-               HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples, validations=checked,
-                                                      outcomes=outcomes, run_dir=path)}
-    return [write_file(path / name, writer, overwrite=True) for name, writer in writers.items()]
+    pages = {MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report, checked, outcomes),
+             HTML_FILE: lambda tmp: page.write_html(tmp, report, samples=samples, validations=checked,
+                                                    outcomes=outcomes, run_dir=path)}
+    return rewrite_report(path, report, pages)
 
 
 def _load_grad(path: Path) -> dict | None:
@@ -173,21 +165,18 @@ def environment() -> dict:
             "world_size": rank_world()[1]}
 
 
-def write_run(out: Path, cal, report: RunReport, overwrite: bool, clock: PhaseClock | None = None) -> Path:
-    """The run directory, atomically: tensors and samples, report.html and report.md, then report.json.
-    The one writer of a whole run. ``clock``: the run's phase clock; writing is its last lap, and
+def write_run_with_pages(out: Path, cal, report: RunReport, overwrite: bool, clock: PhaseClock | None = None) -> Path:
+    """The run directory of ``cal`` with report.html and report.md, through the one writer
+    (``run.write.write_run``). ``clock``: the run's phase clock; writing is its last lap, and
     ``report.timings`` (in report.json) then holds every phase."""
+    pages = {HTML_FILE: lambda tmp: page.write_html(tmp, report, cal),
+             MARKDOWN_FILE: lambda tmp: markdown.write_markdown(tmp, report)}
 
-    def writer(tmp: Path) -> None:
-        write_run_tensors(tmp, cal, report)
-        page.write_html(tmp / HTML_FILE, report, cal)
-        markdown.write_markdown(tmp / MARKDOWN_FILE, report)
-        if clock is not None:
-            clock.lap("writing")
-            report.timings = run_timings(clock, cal)
-        write_json(tmp / REPORT_FILE, report.to_json())
+    def stamp_timings() -> None:
+        clock.lap("writing")
+        report.timings = run_timings(clock, cal)
 
-    return write_dir(out, writer, overwrite=overwrite)
+    return write_run(out, cal, report, overwrite, pages, stamp_timings if clock is not None else None)
 
 
 def run_timings(clock: PhaseClock, cal) -> dict:
