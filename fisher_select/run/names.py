@@ -40,7 +40,7 @@ MASK_SIDECAR_SUFFIX = ".json"
 LORA_CONFIG_FILE = "adapter_config.json"  # peft.utils.CONFIG_NAME (checked in the tests)
 LORA_PROVENANCE_FILE = "fisher_select_provenance.json"
 LORA_PROVENANCE_FORMAT = "fisher_select.lora_provenance/1"
-# A sparse delta directory (``outputs.sparse``): indices + values, provenance
+# A sparse delta directory (``training.sparse``): indices + values, provenance
 SPARSE_DELTA_FILE = "sparse_delta.safetensors"
 SPARSE_META_FILE = "sparse_delta.json"
 SPARSE_FORMAT = "fisher_select.sparse_delta/1"
