@@ -1,0 +1,94 @@
+"""engine.selfcheck: the rules against autograd on the first rows, in every accumulator mode.
+
+It passes on correct models (fp32 and float64, with a signal, restricted to some parameters) and
+refuses a deliberately wrong rule with one error naming the module, its class and the rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fisher_select import FisherSelectError, plan_coverage
+from fisher_select.engine.rules import registry
+from fisher_select.engine.rules.linear import LinearRule
+from fisher_select.engine.selfcheck import FALLBACK, TOLERANCE, check_rules, rule_names
+from tests.tiny import random_batch, tiny_model
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2", "llama-fallback", "linear-called-twice"])
+def test_passes_on_correct_models(name):
+    model = tiny_model(name)
+    ids, attn, resp, signal = random_batch()
+    got = check_rules(model, ids, attn, resp, signal=signal)
+    assert got["rows"] == 2 and got["parameters"] == len(plan_coverage(model).users)
+    assert got["max_relative_error"] <= got["tolerance"] == TOLERANCE[torch.float32]
+    several = torch.stack([signal, -signal])  # (O, B): the per-sample path of the signal sums
+    assert check_rules(model.double(), ids, attn, resp, rows=3, signal=several)["max_relative_error"] < 1e-12
+
+
+def test_params_restricts_the_check():
+    model = tiny_model("llama-untied")
+    ids, attn, resp, _ = random_batch()
+    chosen = {"model.layers.1.mlp.down_proj.weight", "lm_head.weight"}
+    got = check_rules(model, ids, attn, resp, params=chosen)
+    assert got["parameters"] == 2 and got["parameter"] in chosen
+
+
+class OffsetLinear(nn.Linear):
+    """Computes X W^T + b + 1: a subclass a user registered with the Linear rule by mistake."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0 + 1.0
+
+
+@pytest.fixture
+def wrong_rule():
+    """OffsetLinear registered with the plain Linear rule (which misses its factor 2), then removed."""
+    registry._BY_CLASS[OffsetLinear] = LinearRule()
+    try:
+        yield
+    finally:
+        del registry._BY_CLASS[OffsetLinear]
+
+
+def _with_offset_linear(model, path):
+    parent, _, child = path.rpartition(".")
+    old = model.get_submodule(path)
+    new = OffsetLinear(old.in_features, old.out_features, bias=old.bias is not None)
+    new.load_state_dict(old.state_dict())
+    setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["full", "gradient", "fisher"])
+def test_catches_a_wrong_rule_and_names_the_module(wrong_rule, mode):
+    model = _with_offset_linear(tiny_model("llama-untied"), "model.layers.0.mlp.gate_proj")
+    ids, attn, resp, signal = random_batch()
+    signal = None if mode == "fisher" else signal  # what each accumulator mode passes
+    with pytest.raises(FisherSelectError) as err:
+        check_rules(model, ids, attn, resp, signal=signal)
+    message = str(err.value)
+    assert "model.layers.0.mlp.gate_proj.weight" in message and "'model.layers.0.mlp.gate_proj'" in message
+    assert "OffsetLinear" in message and "LinearRule" in message
+    assert "up_proj" not in message  # only the wrong one is named
+
+
+def test_refuses_a_sharded_model_with_one_error(monkeypatch):
+    from fisher_select.engine import selfcheck
+
+    monkeypatch.setattr(selfcheck, "_sharded", lambda model: True)
+    ids, attn, resp, _ = random_batch()
+    with pytest.raises(FisherSelectError, match="before fully_shard"):
+        check_rules(tiny_model("llama-tied"), ids, attn, resp)
+
+
+def test_rule_names_list_every_parameter_and_the_fallback():
+    model = tiny_model("llama-fallback")
+    names = rule_names(plan_coverage(model))
+    assert list(names) == [n for n, _ in model.named_parameters()]
+    assert names["model.layers.0.mlp.down_proj.0.scale"] == FALLBACK
+    assert names["model.embed_tokens.weight"] == "EmbeddingRule"
+    assert names["model.layers.0.input_layernorm.weight"] == "FunctionalNormRule"
+    assert {v for k, v in names.items() if k.endswith("proj.weight") or k.endswith("proj.1.weight")} == {"LinearRule"}
