@@ -11,7 +11,7 @@ rule accepts it (the functional norm rule for ``*Norm`` classes, which different
 module's own forward), else to the exact per-sample fallback of the engine.
 
 Classes of optional packages are registered as ``Lazy`` references (module path + attribute) and
-imported only when a model holds a layer whose class comes from that package, so a model without
+imported only when a model holds a layer whose class comes from that module, so a model without
 bitsandbytes layers never imports bitsandbytes.
 
 The layer questions other modules ask (is this Linear-like, what is this parameter's logical
@@ -39,9 +39,11 @@ class Lazy:
     module: str  # e.g. "bitsandbytes.nn"
     attribute: str  # e.g. "Linear4bit"
 
-    @property
-    def package(self) -> str:
-        return self.module.split(".")[0]
+    def defines(self, module_name: str) -> bool:
+        """Whether a class whose ``__module__`` is ``module_name`` may be this one (or a subclass's base):
+        its module or a submodule of it (bitsandbytes defines ``bitsandbytes.nn.Linear4bit`` in
+        ``bitsandbytes.nn.modules``)."""
+        return module_name == self.module or module_name.startswith(self.module + ".")
 
     def resolve(self) -> type | None:
         try:
@@ -85,9 +87,10 @@ def register_fallback(matches: Callable[[type], bool]):
 
 
 def _resolve_pending(mro: tuple[type, ...]) -> None:
-    """Import the lazy classes of packages this module's classes come from (once each)."""
-    packages = {c.__module__.split(".")[0] for c in mro}
-    due = [entry for entry in _PENDING if entry[0].package in packages]
+    """Import the lazy classes of the modules this module's classes come from (once each): a Llama never
+    imports Gemma's modeling file."""
+    modules = {c.__module__ for c in mro}
+    due = [entry for entry in _PENDING if any(entry[0].defines(m) for m in modules)]
     for entry in due:
         _PENDING.remove(entry)
         cls = entry[0].resolve()
