@@ -92,3 +92,24 @@ def test_rule_names_list_every_parameter_and_the_fallback():
     assert names["model.embed_tokens.weight"] == "EmbeddingRule"
     assert names["model.layers.0.input_layernorm.weight"] == "FunctionalNormRule"
     assert {v for k, v in names.items() if k.endswith("proj.weight") or k.endswith("proj.1.weight")} == {"LinearRule"}
+
+
+def test_a_wrong_rule_outside_params_is_not_checked(wrong_rule):
+    """params= restricts the check as it restricts the accumulators: the wrong layer is left out."""
+    model = _with_offset_linear(tiny_model("llama-untied"), "model.layers.0.mlp.gate_proj")
+    ids, attn, resp, _ = random_batch()
+    assert check_rules(model, ids, attn, resp, params={"model.layers.0.mlp.up_proj.weight"})["parameters"] == 1
+    with pytest.raises(FisherSelectError, match="gate_proj"):
+        check_rules(model, ids, attn, resp, params={"model.layers.0.mlp.gate_proj.weight"})
+
+
+def test_parameters_checked_in_groups_give_the_same_verdicts(wrong_rule):
+    """group_elements bounds the memory of a large model's check: one pass per group, same answers."""
+    model = tiny_model("llama-untied")
+    ids, attn, resp, signal = random_batch()
+    one = check_rules(model, ids, attn, resp, signal=signal)
+    many = check_rules(model, ids, attn, resp, signal=signal, group_elements=600)  # 16x32 MLP weights: 1 each
+    assert many["parameters"] == one["parameters"] and many["max_relative_error"] <= many["tolerance"]
+    _with_offset_linear(model, "model.layers.1.mlp.gate_proj")
+    with pytest.raises(FisherSelectError, match=r"layers\.1\.mlp\.gate_proj\.weight"):
+        check_rules(model, ids, attn, resp, group_elements=600)

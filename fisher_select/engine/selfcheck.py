@@ -26,6 +26,7 @@ FALLBACK = "fallback"
 # Relative error allowed per parameter, ||engine - autograd|| / (||engine|| + ||autograd||): fp32 sums of
 # products of a few rows differ from autograd's only in rounding (about 1e-6 here); a rule that misses a
 # factor or a term is off by order 1. Half-precision models round every activation: 5e-2.
+DEFAULT_GROUP = 1 << 28  # elements checked per pass: bounds the check's memory on a large model (~3 GiB in fp32)
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
@@ -38,7 +39,8 @@ def rule_names(cov: Coverage) -> dict[str, str]:
 
 def check_rules(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 response_mask: torch.Tensor, *, rows: int = 2, params: "set[str] | None" = None,
-                signal: torch.Tensor | None = None, coverage: Coverage | None = None) -> dict:
+                signal: torch.Tensor | None = None, coverage: Coverage | None = None,
+                group_elements: int = DEFAULT_GROUP) -> dict:
     """Compare the engine's per-sample sums with autograd on the first ``rows`` rows; raise if any differ.
 
     input_ids, attention_mask, response_mask: (B, T) as ``score_sums`` takes them. ``params``: check
@@ -47,9 +49,10 @@ def check_rules(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     ``weighted_sum`` path, as a squares-free pass runs it). Parameters on the fallback are autograd
     already and are not compared; packed ones (4-bit weights: no autograd gradient) neither.
 
-    Cost: one engine pass on ``rows`` rows (two with a signal), one forward and ``rows`` backwards
-    with parameter gradients (memory: about three parameter-sized tensors of the checked
-    parameters). The model's mode is left as it is: run it as the calibration runs (eval mode, so
+    Cost, per group of checked parameters of at most ``group_elements`` elements (one group for
+    models up to that size): one engine pass on ``rows`` rows (two with a signal), one forward and
+    ``rows`` backwards with parameter gradients; memory: the group's gradients and two fp32 sums
+    of its size (three with a signal), besides the ``rows`` rows' activations. The model's mode is left as it is: run it as the calibration runs (eval mode, so
     no dropout makes the passes differ). Tolerance: ``TOLERANCE`` by the parameters' dtype.
     Returns ``{"rows", "parameters", "max_relative_error", "parameter", "tolerance", "unchecked"}``.
     """
@@ -68,16 +71,32 @@ def check_rules(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     if not checked:
         return {"rows": rows, "parameters": 0, "max_relative_error": 0.0, "parameter": None,
                 "tolerance": None, "unchecked": unchecked}
-    grads = _autograd_sums(model, batch, {n: cov.params[n] for n in checked}, signal, dtype)
-    engine = _engine_sums(model, batch, cov, set(checked), signal, dtype)
+    errors = {}
+    for group in _groups(checked, cov, group_elements):
+        grads = _autograd_sums(model, batch, {n: cov.params[n] for n in group}, signal, dtype)
+        engine = _engine_sums(model, batch, cov, set(group), signal, dtype)
+        errors.update({n: max(_rel(engine[k][n], grads[k][n]) for k in engine) for n in group})
+        del grads, engine
     tol = max(TOLERANCE.get(cov.params[n].dtype, 1e-3) for n in checked)  # the least precise dtype decides
-    errors = {n: max(_rel(engine[k][n], grads[k][n]) for k in engine) for n in checked}
     bad = sorted((n for n, e in errors.items() if e > tol), key=lambda n: -errors[n])
     if bad:
         raise FisherSelectError(_mismatch(model, cov, bad, errors, tol, rows))
     worst = max(checked, key=lambda n: errors[n])
     return {"rows": rows, "parameters": len(checked), "max_relative_error": errors[worst], "parameter": worst,
             "tolerance": tol, "unchecked": unchecked}
+
+
+def _groups(names: list[str], cov: Coverage, limit: int) -> list[list[str]]:
+    """``names`` in order, cut into groups of at most ``limit`` elements (a larger parameter alone)."""
+    out, size = [[]], 0
+    for n in names:
+        numel = cov.params[n].numel()
+        if out[-1] and size + numel > limit:
+            out.append([])
+            size = 0
+        out[-1].append(n)
+        size += numel
+    return out
 
 
 def _sharded(model: nn.Module) -> bool:
