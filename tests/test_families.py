@@ -3,7 +3,7 @@
 One table, one entry per family: a tiny model built from its config object (no network; 2 layers,
 hidden 16) and the rule every parameter-holding module class gets (the coverage table of
 docs/ENGINE.md). For each family: the coverage is exactly that table, nothing is on the exact
-fallback unless the entry names it, the self-check passes, and ``score_sums`` in float64 equals
+fallback unless the entry names it, the self-check passes (fp32 and bf16), and ``score_sums`` in float64 equals
 ``engine.reference.per_sample_scores`` (each row alone, unpadded, one backward) at relative error
 1e-10 (1e-6 for Gemma, whose norms compute in float32 inside a float64 model) on a batch with left-padded rows
 (Gemma 2: float64 without padding, see ``GEMMA2_FLOAT64_NAN``; the fp32 self-check has padded rows), in each accumulator mode as calibrate runs it (``full``,
@@ -141,9 +141,10 @@ def test_coverage_is_the_table_and_nothing_falls_back_by_accident(name):
     assert set(plan_coverage(model).fallback) == FAMILIES[name].fallback
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_self_check_passes_in_fp32(name):
-    model = tiny_family(name)
+def test_self_check_passes(name, dtype):
+    model = tiny_family(name).to(dtype)
     ids, attn, resp, signal = random_batch(vocab=VOCAB)
     got = check_rules(model, ids, attn, resp, rows=2, signal=signal)
     assert got["parameters"] == len(plan_coverage(model).users) and got["max_relative_error"] <= got["tolerance"]

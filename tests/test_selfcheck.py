@@ -113,3 +113,24 @@ def test_parameters_checked_in_groups_give_the_same_verdicts(wrong_rule):
     _with_offset_linear(model, "model.layers.1.mlp.gate_proj")
     with pytest.raises(FisherSelectError, match=r"layers\.1\.mlp\.gate_proj\.weight"):
         check_rules(model, ids, attn, resp, group_elements=600)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_catches_the_plain_embedding_rule_on_gemmas_scaled_embedding(dtype):
+    """The bug of issue 30: Gemma 3's scaled embedding given the plain Embedding rule (as the registry did
+    before it compared forwards) is refused, in fp32 and in bf16, with the module named."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from fisher_select.engine.rules.embedding import EmbeddingRule
+    from tests.test_families import VOCAB, tiny_family
+
+    model = tiny_family("gemma3").to(dtype)
+    ids, attn, resp, signal = random_batch(vocab=VOCAB)
+    assert check_rules(model, ids, attn, resp, signal=signal)["parameters"] > 0  # its own rule: passes
+    saved = registry._BY_CLASS[Gemma3TextScaledWordEmbedding]
+    registry._BY_CLASS[Gemma3TextScaledWordEmbedding] = EmbeddingRule()
+    try:
+        with pytest.raises(FisherSelectError, match=r"model\.embed_tokens\.weight \(module 'model\.embed_tokens'"):
+            check_rules(model, ids, attn, resp)
+    finally:
+        registry._BY_CLASS[Gemma3TextScaledWordEmbedding] = saved
