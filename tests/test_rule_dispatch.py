@@ -196,3 +196,28 @@ def test_quantized_subclass_that_changes_forward_is_refused_with_one_error(kind)
     ids, attn, resp, _ = random_batch(vocab=64)
     with pytest.raises(FisherSelectError, match=r"mlp\.up_proj\.weight.*stored packed"):
         score_sums(q, ids, attn, resp)
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["plain-subclass", "changed-subclass"])
+def test_subclasses_of_the_scaled_embedding(changed):
+    """The explicitly registered scaled embedding is a ruled family too: a subclass keeps its rule only
+    with its forward, and the model is exact either way (1e-6: Gemma's norms compute in float32)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from fisher_select.engine.reference import brute_force_sums
+    from fisher_select.engine.rules.embedding import ScaledEmbeddingRule
+    from tests.rule_checks import rel
+    from tests.test_families import GEMMA_FP32_NORM, VOCAB, tiny_family
+
+    body = {"forward": lambda self, ids: Gemma3TextScaledWordEmbedding.forward(self, ids) ** 2} if changed else {}
+    model = tiny_family("gemma3").double()
+    layer = model.model.embed_tokens
+    layer.__class__ = type("Sub", (Gemma3TextScaledWordEmbedding,), body)
+    assert (rules.lookup(layer) is None) if changed else type(rules.lookup(layer)) is ScaledEmbeddingRule
+    assert ("model.embed_tokens.weight" in plan_coverage(model).fallback) == changed
+    ids, attn, resp, _ = random_batch(vocab=VOCAB)
+    sums = score_sums(model, ids, attn, resp, accumulate_dtype=torch.float64)
+    squares, _, total = brute_force_sums(model, ids, attn, resp)
+    for name in squares:
+        assert rel(sums.squares[name], squares[name]) < GEMMA_FP32_NORM, name
+        assert rel(sums.total[name], total[name]) < GEMMA_FP32_NORM, name
