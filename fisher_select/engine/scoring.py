@@ -577,6 +577,7 @@ def score_sums(
     if signal is not None and (signal.dim() not in (1, 2) or signal.shape[-1] != batch):
         raise FisherSelectError(f"signal must have shape ({batch},) or (objectives, {batch}), got {tuple(signal.shape)}")
     cov = _restricted(coverage or plan_coverage(model), params)
+    _check_fallback(cov)
     rules.check_model(model)
     sums = _Sums(cov, signal, into, squares, accumulate_dtype, totals=totals, device=accumulate_on, batch=batch,
                  compiled=compile)
@@ -616,6 +617,17 @@ def _fallback_loop(logp: torch.Tensor, fallback: list, sums: _Sums) -> None:
         for (name, p), g in zip(fallback, grads):
             g = torch.zeros_like(p, dtype=sums.dtype) if g is None else g.to(sums.dtype)
             sums.add_dense(name, n, g.unsqueeze(0))
+
+
+def _check_fallback(cov: Coverage) -> None:
+    """The fallback differentiates with respect to the parameter: a packed (integer) one has no gradient."""
+    packed = [n for n, p in cov.fallback.items() if not p.is_floating_point()]
+    if packed:
+        raise FisherSelectError(
+            f"no rule covers {packed[:3]} ({len(packed)} in all) and they are stored packed (dtype "
+            f"{cov.fallback[packed[0]].dtype}), so the exact per-sample fallback cannot differentiate them: a "
+            "quantized layer whose class overrides its parent's forward needs a rule of its own "
+            "(fisher_select.engine.rules.register), or leave these parameters out with params=")
 
 
 def _restricted(cov: Coverage, params: "set[str] | None") -> Coverage:

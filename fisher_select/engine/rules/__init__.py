@@ -6,7 +6,8 @@ file registers its rule next to the class (``@register(nn.Linear)``, see ``regis
 every module of this package is imported here, so a new layer family is one new file (plus its
 test). Rules are looked up along the module's class hierarchy (``type(module).__mro__``), so a
 subclass of ``nn.Linear`` resolves to the Linear rule unless a more specific rule is registered
-(bitsandbytes' ``Linear4bit`` is). Model-specific normalisation classes that do not derive
+(bitsandbytes' ``Linear4bit`` is) or it overrides ``forward`` (then it computes something the
+Linear rule does not model, and goes to the engine's exact per-sample fallback). Model-specific normalisation classes that do not derive
 from a torch norm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...) resolve by class name to the
 functional norm rule, which differentiates the module's own forward per sample.
 
@@ -32,6 +33,7 @@ from fisher_select.engine.rules.registry import (
     parameter_shapes,
     register,
     register_fallback,
+    same_computation,
 )
 
 for _info in pkgutil.iter_modules(__path__):  # each rule file registers its rules on import
@@ -52,4 +54,5 @@ __all__ = [
     "parameter_shapes",
     "register",
     "register_fallback",
+    "same_computation",
 ]

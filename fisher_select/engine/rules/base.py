@@ -68,6 +68,9 @@ class Rule:
     sparse = False
     #: True for layers computing ``X W^T + b`` with a 2-D (logical) weight: what LoRA can target.
     linear_like = False
+    #: The methods whose computation the rule models: a subclass of the registered class that
+    #: overrides one of them gets this rule only by being registered itself (``registry.lookup``).
+    models: tuple[str, ...] = ("forward",)
 
     @staticmethod
     def accepts(module: nn.Module) -> bool:

@@ -2,6 +2,9 @@
 
 Per-sample gradients are sparse (a sample touches only its own tokens' rows), so they are
 returned as ``RowSparse`` entries (sample, row, value) with unique (sample, row) pairs.
+Gemma's scaled token embeddings (rows times a constant) have a rule of their own: the plain rule
+would miss the constant (the registry never gives a subclass that overrides ``forward`` its
+parent's rule).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import torch
 from torch import nn
 
 from fisher_select.engine.rules.base import Rule, RowSparse
-from fisher_select.engine.rules.registry import register
+from fisher_select.engine.rules.registry import Lazy, register
 
 
 @register(nn.Embedding)
@@ -46,3 +49,24 @@ class EmbeddingRule(Rule):
         value.index_add_(0, inverse, dy)  # (M, d): per-sample row sums
         v = module.num_embeddings
         yield RowSparse("weight", unique // v, unique % v, value)
+
+
+# Gemma's token embeddings: ``nn.Embedding`` rows times sqrt(hidden) (a 0-d buffer ``embed_scale``).
+_SCALED = ("gemma", "gemma2", "gemma3")
+
+
+@register(*(Lazy(f"transformers.models.{m}.modeling_{m}", f"{m.capitalize()}TextScaledWordEmbedding")
+            for m in _SCALED))
+class ScaledEmbeddingRule(EmbeddingRule):
+    """``Y = embedding(ids) * c`` with one constant c: sample n's row gradients are c times the plain
+    rule's (``dY`` scattered at its tokens), c cast to the weight's dtype as the forward casts it."""
+
+    @staticmethod
+    def accepts(module) -> bool:
+        scale = getattr(module, "embed_scale", None)
+        return EmbeddingRule.accepts(module) and torch.is_tensor(scale) and scale.numel() == 1
+
+    def contributions(self, module, captured, grad_output, block, dtype):
+        scale = module.embed_scale.to(module.weight.dtype).to(dtype)  # () as the forward multiplies
+        for c in super().contributions(module, captured, grad_output, block, dtype):
+            yield RowSparse(c.param, c.sample, c.row, c.value * scale)

@@ -1,12 +1,17 @@
 """The rule registry: which rule covers a module, and the layer questions only rules can answer.
 
 Each rule file registers its rule next to the class (``@register(nn.Linear)``). A module resolves
-to the rule of the nearest registered class in ``type(module).__mro__``; failing that, to the
-first ``register_fallback`` predicate that matches its class and whose rule accepts it (the
-functional norm rule for model-specific ``*Norm`` classes).
+to the rule of the nearest registered class in ``type(module).__mro__``, but only when its class
+runs the computation that rule models: a subclass that overrides ``forward`` (or another method
+the rule names in ``Rule.models``) computes something else, so the registered rule would be
+silently wrong for it (Gemma's scaled embedding is an ``nn.Embedding`` whose forward multiplies the
+rows by a constant). Such a subclass gets a rule only by being registered itself. Failing that,
+a module resolves to the first ``register_fallback`` predicate that matches its class and whose
+rule accepts it (the functional norm rule for ``*Norm`` classes, which differentiates the
+module's own forward), else to the exact per-sample fallback of the engine.
 
 Classes of optional packages are registered as ``Lazy`` references (module path + attribute) and
-imported only when a model holds a layer whose class comes from that package, so a model without
+imported only when a model holds a layer whose class comes from that module, so a model without
 bitsandbytes layers never imports bitsandbytes.
 
 The layer questions other modules ask (is this Linear-like, what is this parameter's logical
@@ -34,9 +39,11 @@ class Lazy:
     module: str  # e.g. "bitsandbytes.nn"
     attribute: str  # e.g. "Linear4bit"
 
-    @property
-    def package(self) -> str:
-        return self.module.split(".")[0]
+    def defines(self, module_name: str) -> bool:
+        """Whether a class whose ``__module__`` is ``module_name`` may be this one (or a subclass's base):
+        its module or a submodule of it (bitsandbytes defines ``bitsandbytes.nn.Linear4bit`` in
+        ``bitsandbytes.nn.modules``)."""
+        return module_name == self.module or module_name.startswith(self.module + ".")
 
     def resolve(self) -> type | None:
         try:
@@ -53,7 +60,8 @@ _FALLBACKS: list[tuple[Callable[[type], bool], Rule]] = []
 def register(*classes: "type | Lazy"):
     """Class decorator: one instance of the decorated ``Rule`` covers modules of ``classes``.
 
-    Modules of subclasses resolve to it too, unless a more specific class is registered.
+    Modules of subclasses resolve to it too when they run the same computation (``same_computation``),
+    unless a more specific class is registered.
     """
 
     def decorate(rule_cls: type[Rule]) -> type[Rule]:
@@ -79,9 +87,10 @@ def register_fallback(matches: Callable[[type], bool]):
 
 
 def _resolve_pending(mro: tuple[type, ...]) -> None:
-    """Import the lazy classes of packages this module's classes come from (once each)."""
-    packages = {c.__module__.split(".")[0] for c in mro}
-    due = [entry for entry in _PENDING if entry[0].package in packages]
+    """Import the lazy classes of the modules this module's classes come from (once each): a Llama never
+    imports Gemma's modeling file."""
+    modules = {c.__module__ for c in mro}
+    due = [entry for entry in _PENDING if any(entry[0].defines(m) for m in modules)]
     for entry in due:
         _PENDING.remove(entry)
         cls = entry[0].resolve()
@@ -89,14 +98,26 @@ def _resolve_pending(mro: tuple[type, ...]) -> None:
             _BY_CLASS[cls] = entry[1]
 
 
+def same_computation(cls: type, registered: type, rule: Rule) -> bool:
+    """Whether ``cls`` (a subclass of ``registered``) runs the methods ``rule`` models unchanged.
+
+    Compared on the class, not the instance: accelerate's device hooks replace ``module.forward``
+    on the instance with a wrapper that only moves tensors.
+    """
+    return all(getattr(cls, m, None) is getattr(registered, m, None) for m in rule.models)
+
+
 def lookup(module: nn.Module) -> Rule | None:
-    """The rule for ``module``: nearest registered class in its MRO, then the fallbacks."""
-    mro = type(module).__mro__
+    """The rule for ``module``: nearest registered class in its MRO if ``module`` runs the computation
+    that rule models, then the fallbacks; None: the engine's exact per-sample fallback."""
+    cls = type(module)
     if _PENDING:
-        _resolve_pending(mro)
-    for cls in mro:
-        if cls in _BY_CLASS:
-            return _BY_CLASS[cls]
+        _resolve_pending(cls.__mro__)
+    for base in cls.__mro__:
+        if base in _BY_CLASS:
+            if same_computation(cls, base, _BY_CLASS[base]):
+                return _BY_CLASS[base]
+            break  # a subclass computing something else: never its parent's rule
     for matches, rule in _FALLBACKS:
         if matches(type(module)) and rule.accepts(module):
             return rule
