@@ -79,9 +79,17 @@ def register_fallback(matches: Callable[[type], bool]):
 
 
 def _resolve_pending(mro: tuple[type, ...]) -> None:
-    """Import the lazy classes of packages this module's classes come from (once each)."""
-    packages = {c.__module__.split(".")[0] for c in mro}
-    due = [entry for entry in _PENDING if entry[0].package in packages]
+    """Import the lazy classes of the modules (or their subpackages) this module's classes come from, once each.
+
+    By module path, not just package: a transformers layer does not import every model file that
+    holds a registered class (the MoE rules name four).
+    """
+    modules = {c.__module__ for c in mro}
+
+    def due_for(lazy: Lazy) -> bool:
+        return any(m == lazy.module or m.startswith(lazy.module + ".") for m in modules)
+
+    due = [entry for entry in _PENDING if due_for(entry[0])]
     for entry in due:
         _PENDING.remove(entry)
         cls = entry[0].resolve()
