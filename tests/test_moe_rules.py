@@ -182,3 +182,18 @@ def test_a_transformers_4_style_moe_on_flattened_tokens_is_refused_not_scored():
     experts = {n for n, _ in model.named_parameters() if n.startswith("experts.")}
     with pytest.raises(FisherSelectError, match="rows for a batch of 4 samples"):
         score_sums(model, ids, attn, resp, params=experts, accumulate_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_transformers_other_experts_forwards_get_the_same_sums_as_eager(implementation):
+    """The rule reads the layout off the instance, not the forward: fp32 sums agree across forwards."""
+    ids, attn, resp, signal = random_batch(vocab=64)
+    sums = {}
+    for forward in ("eager", implementation):
+        model = tiny_moe("qwen3_moe", dtype=torch.float32)
+        model.config._experts_implementation = forward
+        sums[forward] = score_sums(model, ids, attn, resp, signal)
+    for kind in ("squares", "total", "signal"):
+        for name, want in getattr(sums["eager"], kind).items():
+            assert rel(getattr(sums[implementation], kind)[name], want) <= 1e-5, (kind, name)
+    assert all(torch.equal(sums[implementation].expert_tokens[m], c) for m, c in sums["eager"].expert_tokens.items())

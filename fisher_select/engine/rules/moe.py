@@ -154,10 +154,15 @@ class FusedExpertsRule(Rule):
         for e, sample, factors in self._experts(module, captured, grad_output, dtype):
             lo, hi = int(sample[0]), int(sample[-1]) + 1  # samples that sent tokens (others: zero)
             for name, (left, right) in factors.items():
-                per = _per_sample(sample - lo, hi - lo, left, right)  # (b, a, c) or (b, a)
-                step = samples_per_block(hi - lo, per[0].numel(), block)
-                for s in range(0, hi - lo, step):
-                    yield Contribution(name, lo + s, per[s : s + step].unsqueeze(1), slice(e, e + 1))
+                size = left.shape[1] * (1 if right is None else right.shape[1])  # one sample's gradient
+                step = samples_per_block(hi - lo, size, block)
+                for s in range(lo, hi, step):  # pieces of at most ``block`` elements (one sample at least)
+                    rows = slice(*torch.searchsorted(sample, torch.tensor([s, s + step], device=sample.device)).tolist())
+                    if rows.start == rows.stop:
+                        continue  # these samples sent this expert nothing: zero gradient
+                    count = min(step, hi - s)
+                    part = _per_sample(sample[rows] - s, count, left[rows], None if right is None else right[rows])
+                    yield Contribution(name, s, part.unsqueeze(1), slice(e, e + 1))  # (b, 1, a, c) or (b, 1, a)
 
     def weighted_sum(self, module, captured: Routed, grad_output, weights, dtype):
         sums = {}
