@@ -197,3 +197,16 @@ def test_transformers_other_experts_forwards_get_the_same_sums_as_eager(implemen
         for name, want in getattr(sums["eager"], kind).items():
             assert rel(getattr(sums[implementation], kind)[name], want) <= 1e-5, (kind, name)
     assert all(torch.equal(sums[implementation].expert_tokens[m], c) for m, c in sums["eager"].expert_tokens.items())
+
+
+def test_non_reentrant_checkpointing_scores_each_moe_call_once():
+    """Recomputation in backward neither captures the experts or routers again nor counts tokens twice."""
+    model = tiny_moe("olmoe")
+    ids, attn, resp, signal = random_batch(vocab=64)
+    want = score_sums(model, ids, attn, resp, signal, accumulate_dtype=torch.float64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # transformers checkpoints only in training mode (OLMoE has no dropout or router noise)
+    got = score_sums(model, ids, attn, resp, signal, accumulate_dtype=torch.float64)
+    _same(got.squares, want.squares, "squares")
+    _same(got.signal, want.signal, "signal")
+    assert all(torch.equal(got.expert_tokens[m], c) for m, c in want.expert_tokens.items())
