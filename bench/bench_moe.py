@@ -111,7 +111,8 @@ def run(args) -> dict:
 
 def table(result: dict) -> str:
     c = result["config"]
-    lines = [f"MoE {c['family']}: {c['experts']} experts, top-{c['top_k']}, hidden {c['hidden']}, {c['layers']} layers, "
+    lines = [f"MoE {c['family']}: {c['experts']} experts, top-{c['top_k']}, hidden {c['hidden']}, "
+             f"{c['layers']} layers, "
              f"{result['parameters']} parameters ({result['expert_share']:.0%} in experts); batch {c['batch']} x "
              f"{c['length']} ({c['response']} response tokens), {c['device']}, {c['rounds']} rounds, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads",

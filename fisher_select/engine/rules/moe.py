@@ -157,7 +157,8 @@ class FusedExpertsRule(Rule):
                 size = left.shape[1] * (1 if right is None else right.shape[1])  # one sample's gradient
                 step = samples_per_block(hi - lo, size, block)
                 for s in range(lo, hi, step):  # pieces of at most ``block`` elements (one sample at least)
-                    rows = slice(*torch.searchsorted(sample, torch.tensor([s, s + step], device=sample.device)).tolist())
+                    ends = torch.tensor([s, s + step], device=sample.device)
+                    rows = slice(*torch.searchsorted(sample, ends).tolist())  # these samples' token rows
                     if rows.start == rows.stop:
                         continue  # these samples sent this expert nothing: zero gradient
                     count = min(step, hi - s)
