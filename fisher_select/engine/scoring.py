@@ -408,8 +408,8 @@ class _ModuleInfo:
 class _Pass:
     """Hooks for one scoring pass; all state lives here, none on modules or parameters."""
 
-    def __init__(self, cov: Coverage, sums: _Sums, block: int, dtype: torch.dtype = torch.float32, done=None,
-                 batch: int = 0):
+    def __init__(self, cov: Coverage, sums: _Sums, block: int, dtype: torch.dtype = torch.float32, done=None, *,
+                 batch: int):  # B: rules take dim 0 for the sample (MoE rules: B*T token rows), checked per call
         self.cov, self.sums, self.block, self.batch = cov, sums, block, batch
         self.dtype = dtype  # the rules hand over per-sample gradients in the accumulation dtype
         self.active = True
@@ -592,7 +592,7 @@ def score_sums(
     rules.check_model(model)
     sums = _Sums(cov, signal, into, squares, accumulate_dtype, totals=totals, device=accumulate_on, batch=batch,
                  compiled=compile)
-    run = _Pass(cov, sums, block, accumulate_dtype, done, batch)
+    run = _Pass(cov, sums, block, accumulate_dtype, done, batch=batch)
     routes = ScoreSums(None, None, None, 0)  # holds the routing counts when not adding to ``into``
     with _frozen_for_pass(cov), run.hooks():
         logp = response_logprobs(model, input_ids, attention_mask, response_mask, token_weights)  # (B,)
