@@ -3,7 +3,8 @@
 Each rank scores its own rows of the same 4-row batch on a model wrapped with ``fully_shard``
 (each decoder layer, then the root); its accumulators must equal the matching rows of the
 one-process sums over all 4 rows, cut as FSDP2 cuts the parameters (uneven dims included), and
-the gathered sums must equal the one-process sums.
+the gathered sums must equal the one-process sums. Tiny MoE models (Mixtral, Qwen3-MoE) run the
+same checks, with their tokens per expert summed over ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fisher_select.engine.scoring import score_sums
 from tests.tiny import free_port, random_batch, tiny_model
+from tests.tiny_moe import tiny_moe
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -34,7 +36,10 @@ def odd_llama(seed=0):
     return model.eval()
 
 
-MODELS = {"odd-tied": odd_llama, "llama-untied": lambda: tiny_model("llama-untied")}
+MODELS = {"odd-tied": odd_llama, "llama-untied": lambda: tiny_model("llama-untied"),
+          # MoE (4 experts, top-2): the 3-D expert tensors and the routers are cut along the experts dim
+          "mixtral": lambda: tiny_moe("mixtral", dtype=torch.float32),
+          "qwen3-moe": lambda: tiny_moe("qwen3_moe", dtype=torch.float32)}
 # Rank 0 scores rows 0-2 in two batches, rank 1 row 3 in one: rank 1 must run a padding batch.
 SPLIT = {0: [slice(0, 2), slice(2, 3)], 1: [slice(3, 4)]}
 
@@ -72,7 +77,8 @@ def _worker(rank, world, port, out):
                            "gathered": None if gathered is None else vars(gathered),
                            "fisher_only": fisher_only.squares, "fisher_only_peak": fisher_only.peak_bytes,
                            "fisher_only_full": fisher_only.full_bytes,
-                           "grads": [n for n, p in model.named_parameters() if p.grad is not None]}
+                           "grads": [n for n, p in model.named_parameters() if p.grad is not None],
+                           "expert_tokens": sharded.expert_tokens, "expert_positions": sharded.expert_positions}
         torch.save(result, f"{out}.{rank}")
         # A gloo rank exiting while its peer still works sometimes aborts at exit ("terminate called
         # without an active exception", SIGABRT; about 1 run in 8 here): leave together.
@@ -134,6 +140,20 @@ def test_gather_on_rank_0_equals_the_one_process_sums(ranks, key):
         for name, t in got[kind].items():
             assert t.shape == getattr(want, kind)[name].shape
             _close(t, getattr(want, kind)[name], f"gathered {kind} {name}")
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen3-moe"])
+def test_tokens_per_expert_are_summed_over_ranks_without_the_padding_batch(ranks, key):
+    ids, attn, resp, signal = _data()
+    want = score_sums(MODELS[key](), ids, attn, resp, signal)
+    assert want.expert_tokens and want.expert_positions
+    for got in (r[key] for r in ranks):
+        for kind in ("expert_tokens", "expert_positions"):
+            assert set(got[kind]) == set(getattr(want, kind))
+            for module, counts in getattr(want, kind).items():
+                assert torch.equal(got[kind][module], counts), (kind, module)
+        if got["gathered"] is not None:
+            assert all(torch.equal(got["gathered"]["expert_tokens"][m], c) for m, c in got["expert_tokens"].items())
 
 
 def test_sharded_accumulators_take_about_half_the_memory(ranks):

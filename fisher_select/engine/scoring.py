@@ -19,6 +19,7 @@ from torch import nn
 from fisher_select.engine import rules
 from fisher_select.errors import FisherSelectError
 from fisher_select.engine.logprob import response_logprobs
+from fisher_select.engine.routing import count_routes, not_per_sample
 from fisher_select.engine.rules.base import Summed
 
 DEFAULT_BLOCK = 1 << 19  # elements in one dense per-sample piece (2 MiB fp32: stays in cache)
@@ -36,6 +37,11 @@ class ScoreSums:
     signal: dict[str, torch.Tensor] | None  # sum_n a_n h_n, when a signal was given
     total: dict[str, torch.Tensor] | None  # sum_n h_n (None when not asked for)
     count: int  # B
+    # Per MoE experts module scored by a rule (module name -> (E,) int64), summed over batches:
+    # how many sampled response tokens the router sent to each expert (each top-k choice counts),
+    expert_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    # and how many real (non-padding) positions, prompt included: an expert none reached has F = 0.
+    expert_positions: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def zeros(cls, cov: "Coverage", signals: int | None, squares: bool = True,
@@ -402,8 +408,9 @@ class _ModuleInfo:
 class _Pass:
     """Hooks for one scoring pass; all state lives here, none on modules or parameters."""
 
-    def __init__(self, cov: Coverage, sums: _Sums, block: int, dtype: torch.dtype = torch.float32, done=None):
-        self.cov, self.sums, self.block = cov, sums, block
+    def __init__(self, cov: Coverage, sums: _Sums, block: int, dtype: torch.dtype = torch.float32, done=None, *,
+                 batch: int):  # B: rules take dim 0 for the sample (MoE rules: B*T token rows), checked per call
+        self.cov, self.sums, self.block, self.batch = cov, sums, block, batch
         self.dtype = dtype  # the rules hand over per-sample gradients in the accumulation dtype
         self.active = True
         self.done = done  # called with each parameter's name once its sums for this batch are complete
@@ -440,15 +447,20 @@ class _Pass:
         if not self.active or _in_backward() or not torch.is_grad_enabled():
             return None
         _, info = self.infos[id(module)]
-        captured = info.rule.capture(module, args, output)
-        replaced = None
-        if not output.requires_grad:
-            output = replaced = output + self._anchor(output)
-        elif output.grad_fn is None:  # already a graph root (e.g. enable_input_require_grads)
-            self.roots.append(output)
+        rule = info.rule
+        captured = rule.capture(module, args, output, batch=self.batch) if rule.flat_tokens else \
+            rule.capture(module, args, output)
+        tensor, replaced = rule.graph_output(output), None
+        if not rule.flat_tokens and tensor.shape[0] != self.batch:
+            raise not_per_sample(module, tensor.shape[0], self.batch)
+        if not tensor.requires_grad:
+            tensor = tensor + self._anchor(tensor)
+            replaced = rule.with_graph_output(output, tensor)
+        elif tensor.grad_fn is None:  # already a graph root (e.g. enable_input_require_grads)
+            self.roots.append(tensor)
         info.calls += 1
         self.calls.append((module, info, captured))
-        output.register_hook(lambda g, m=module, i=info, c=captured: self._on_grad(m, i, c, g))
+        tensor.register_hook(lambda g, m=module, i=info, c=captured: self._on_grad(m, i, c, g))
         return replaced
 
     def prepare_shared(self, batch: int) -> None:
@@ -581,10 +593,12 @@ def score_sums(
     rules.check_model(model)
     sums = _Sums(cov, signal, into, squares, accumulate_dtype, totals=totals, device=accumulate_on, batch=batch,
                  compiled=compile)
-    run = _Pass(cov, sums, block, accumulate_dtype, done)
+    run = _Pass(cov, sums, block, accumulate_dtype, done, batch=batch)
+    routes = ScoreSums(None, None, None, 0)  # holds the routing counts when not adding to ``into``
     with _frozen_for_pass(cov), run.hooks():
         logp = response_logprobs(model, input_ids, attention_mask, response_mask, token_weights)  # (B,)
         run.prepare_shared(batch)
+        count_routes(model, run.calls, attention_mask, response_mask, into if into is not None else routes)
         _check_checkpointing(model, run)
         fallback = list(cov.fallback.items())
         inputs = list(run.anchors.values()) + run.roots + [p for _, p in fallback]
@@ -604,7 +618,7 @@ def score_sums(
     if into is not None:
         into.count += batch
         return into
-    return ScoreSums(sums.squares, weighted, sums.total, batch)
+    return ScoreSums(sums.squares, weighted, sums.total, batch, routes.expert_tokens, routes.expert_positions)
 
 
 def _fallback_loop(logp: torch.Tensor, fallback: list, sums: _Sums) -> None:

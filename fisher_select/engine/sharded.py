@@ -17,7 +17,7 @@ enter the same collectives in the same order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -241,6 +241,9 @@ class ShardedScoreSums:
     peak_bytes: int
     full_bytes: int
     group: object = None
+    # tokens per expert of each MoE experts module, summed over every rank's real rows (as ScoreSums)
+    expert_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    expert_positions: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.squares, self.signal, self.total) if d for t in d.values())
@@ -274,7 +277,8 @@ class ShardedScoreSums:
                     out[kind][name] = torch.cat(parts)[: lay.shape[lay.dim]].movedim(0, dim).contiguous()
         if rank != dst:
             return None
-        return ScoreSums(out["squares"], out["signal"], out["total"], self.count)
+        return ScoreSums(out["squares"], out["signal"], out["total"], self.count, self.expert_tokens,
+                         self.expert_positions)
 
 
 def _padding_batch(device, objectives: int | None):
@@ -331,19 +335,45 @@ def score_sums_sharded(
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)  # every rank scores this many batches
     steps, rows = int(steps), int(rows)
     scatter = _Scatter(cov, layouts, kinds, objectives, group, rank, world, accumulate_dtype, into)
+    routes = ScoreSums(None, None, None, 0)  # this rank's tokens per expert (MoE), reduced at the end
     lead = lambda k: objectives if k == "signal" else 1  # noqa: E731
     full_bytes = sum(math.prod(s) * lead(k) for s in cov.shapes.values() for k in kinds)
     full_bytes *= torch.empty((), dtype=accumulate_dtype).element_size()
     for step in range(steps):
         ids, attn, resp, *rest = batches[step] if step < len(batches) else _padding_batch(device, objectives)
         signal = None if objectives is None else rest[0].reshape(objectives, ids.shape[0])  # always (O, B)
-        score_sums(model, ids, attn, resp, signal, block=block, coverage=cov, into=scatter.sums(),
-                   accumulate_dtype=accumulate_dtype, done=scatter.done)
+        batch_sums = score_sums(model, ids, attn, resp, signal, block=block, coverage=cov, into=scatter.sums(),
+                                accumulate_dtype=accumulate_dtype, done=scatter.done)
+        _add_routes(routes, batch_sums, real=step < len(batches))
         left = scatter.leftover()
         if left:  # cannot happen: score_sums reports every parameter
             raise FisherSelectError(f"sharded scoring: sums of {left[:5]} were never reduced")
+    _reduce_routes(routes, into, group, device)
     get = lambda k: scatter.shards[k] if k in kinds else None  # noqa: E731
     if into is not None:
         into.count += rows
         rows = into.count
-    return ShardedScoreSums(get("squares"), get("signal"), get("total"), rows, layouts, scatter.peak, full_bytes, group)
+    return ShardedScoreSums(get("squares"), get("signal"), get("total"), rows, layouts, scatter.peak, full_bytes, group,
+                            routes.expert_tokens, routes.expert_positions)
+
+
+def _reduce_routes(routes: ScoreSums, into: ScoreSums | None, group, device) -> None:
+    """Sum this call's tokens per expert over ranks, then onto ``into``'s counts of earlier calls (if any)."""
+    for kind in ("expert_tokens", "expert_positions"):
+        counts = getattr(routes, kind)
+        for name in sorted(counts):  # every rank scored the same modules (padding batches too)
+            total = counts[name].to(device)  # NCCL reduces device tensors only
+            dist.all_reduce(total, group=group)
+            counts[name] = total.cpu()
+        if into is not None:
+            earlier = getattr(into, kind)
+            counts.update({n: c + earlier[n] if n in earlier else c for n, c in counts.items()})
+            earlier.update(counts)
+
+
+def _add_routes(routes: ScoreSums, batch: ScoreSums, real: bool) -> None:
+    """Add one batch's tokens per expert; a padding batch adds zeros (its modules still join the reduction)."""
+    for mine, new in ((routes.expert_tokens, batch.expert_tokens), (routes.expert_positions, batch.expert_positions)):
+        for name, counts in new.items():
+            counts = counts if real else torch.zeros_like(counts)
+            mine[name] = mine[name] + counts if name in mine else counts.clone()

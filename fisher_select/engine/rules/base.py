@@ -71,6 +71,9 @@ class Rule:
     #: The methods whose computation the rule models: a subclass of the registered class that
     #: overrides one of them gets this rule only by being registered itself (``registry.lookup``).
     models: tuple[str, ...] = ("forward",)
+    #: True for modules that see the batch flattened to (B*T, ...) token rows (MoE experts and
+    #: routers): the engine then passes ``batch=B`` to ``capture``, so the rule can tell samples apart.
+    flat_tokens = False
 
     @staticmethod
     def accepts(module: nn.Module) -> bool:
@@ -86,8 +89,23 @@ class Rule:
         return tuple(param.shape)
 
     def capture(self, module: nn.Module, args: tuple, output: torch.Tensor):
-        """What to keep from the forward call: by default the first positional input."""
+        """What to keep from the forward call: by default the first positional input.
+
+        Rules with ``flat_tokens`` also get the keyword ``batch`` (the pass's B).
+        """
         return args[0].detach()
+
+    def graph_output(self, output):
+        """The output tensor whose gradient ``contributions`` takes (a module returning a tuple picks one)."""
+        return output
+
+    def with_graph_output(self, output, tensor: torch.Tensor):
+        """``output`` with ``graph_output(output)`` replaced by ``tensor`` (the engine's graph anchor)."""
+        return tensor
+
+    def routing(self, module: nn.Module, captured) -> tuple[torch.Tensor, int] | None:
+        """For MoE experts: ((B*T, k) expert index per token row and choice, number of experts), else None."""
+        return None
 
     def contributions(
         self, module: nn.Module, captured, grad_output: torch.Tensor, block: int, dtype: torch.dtype
