@@ -68,8 +68,15 @@ class FusedExperts:
         if tuple(values.shape) == self.shape:
             return list(values.unbind(0))
         if values.dim() == 1 and values.numel() == math.prod(self.shape):
-            return list(values.view(self.num_experts, self.slice_numel).unbind(0))
+            return self.split_units(values)
         raise ValueError(f"{self.param}: values of shape {tuple(values.shape)} are neither {self.shape} nor flat")
+
+    def split_units(self, units: torch.Tensor) -> list[torch.Tensor]:
+        """Per expert, its contiguous share of a 1-D vector of units in row-major order over dim 0 first
+        (coordinates, or the rows of an (E, X) tensor): views."""
+        if units.dim() != 1 or units.numel() % self.num_experts:
+            raise ValueError(f"{self.param}: {tuple(units.shape)} units do not split into {self.num_experts} experts")
+        return list(units.view(self.num_experts, -1).unbind(0))
 
 
 def num_experts_of(config) -> int | None:
