@@ -23,9 +23,11 @@ MOE_FAMILIES = {
 
 
 def tiny_moe(family: str, seed: int = 0, noise: float = 0.1):
-    """A tiny MoE model in eval mode, float64-free (fp32), weights perturbed so no gradient is trivially zero."""
+    """A tiny MoE model in eval mode, weights perturbed so no gradient is trivially zero; its experts run the
+    eager per-expert loop (transformers' default grouped_mm refuses float64)."""
     torch.manual_seed(seed)
     model = MOE_FAMILIES[family]()
+    model.set_experts_implementation("eager")
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * noise)
