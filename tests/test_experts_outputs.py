@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import re
+
+import peft
 import pytest
 import torch
 
 from fisher_select.models import fingerprint
+from fisher_select.outputs.lora import EXPERT_LIMITS, LoraHints, lora_export, lora_hints, trainable_lora_parameters
 from fisher_select.outputs.masks import select_masks
 from fisher_select.stats.experts import fused_experts_of
 from fisher_select.stats.ranking import top_count
 from tests import runs
 from tests.test_select import assert_masks_equal, first_k_by_value, smallest_mass_set
+from tests.tiny import run_command
 from tests.tiny_moe import EXPERTS, tiny_moe
 
 
@@ -71,3 +77,63 @@ def test_structured_rows_split_biases_by_expert_columns_do_not():
     assert bias not in cols.meta["rule"]["per_expert"]  # a column crosses every expert: the tensor stays whole
     f = run.fisher[bias].double().sum(0)
     assert torch.equal(cols.masks[bias][0], first_k_by_value(f, top_count(0.3, f.numel())))
+
+
+def _param_wrappers(peft_model) -> dict[str, object]:
+    """Full parameter name -> PEFT's ParamWrapper adapting it (nested wrappers unwrapped from their names)."""
+    out = {}
+    for name, module in peft_model.named_modules():
+        if type(module).__name__ == "ParamWrapper":
+            owner = re.sub(r"(\.base_layer)+", "", name).removeprefix("base_model.model.")
+            out[f"{owner}.{module.parameter_name}"] = module
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_lora_targets_fused_experts_through_target_parameters(family, tmp_path, capsys):
+    model, run = moe_run(family)
+    export = lora_export(run, coverage=1.0, model=model)  # every eligible target
+    hints = export.hints
+    fused = sorted(n for n, f in fused_experts_of(model).items() if len(f.shape) == 3)  # biases are not targets
+    assert sorted(hints.target_parameters) == fused
+    assert not any(".experts" in n for n in hints.target_modules)
+    assert hints.provenance["peft_limits"] == list(EXPERT_LIMITS)
+    rows = {t["name"]: t for t in hints.targets}
+    assert all(rows[n]["experts"] == EXPERTS and "experts" not in rows[m] for n in fused for m in hints.target_modules)
+    out = hints.save_pretrained(tmp_path / "hint")
+    assert LoraHints.from_pretrained(out, model).target_parameters == hints.target_parameters
+    config = peft.LoraConfig.from_pretrained(out)  # plain PEFT reads it ...
+    peft_model = peft.get_peft_model(copy.deepcopy(model), config)  # ... and builds it
+    wrappers = _param_wrappers(peft_model)
+    assert sorted(wrappers) == fused
+    for name, wrapper in wrappers.items():  # the hinted rank, per expert: one rank-r adapter for each expert
+        assert wrapper.num_experts == EXPERTS and wrapper.r["default"] == hints.ranks[name]
+        assert wrapper.lora_A["default"].weight.shape[0] == hints.ranks[name] * EXPERTS
+    assert trainable_lora_parameters(peft_model) == export.trainable
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():  # B starts at zero: the adapted model computes what the base computes
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits)
+    bad = copy.deepcopy(config)
+    bad.lora_dropout = 0.1  # one of the stated limits, as PEFT enforces it
+    with pytest.raises(ValueError, match="lora_dropout"):
+        peft.get_peft_model(copy.deepcopy(model), bad)
+    run_dir = runs.write_run_dir(run, tmp_path / "run")
+    assert run_command(["lora", str(run_dir), "--coverage", "1", "--out", str(tmp_path / "cli")]) == 0
+    printed = capsys.readouterr().out
+    assert "target_parameters" in printed and EXPERT_LIMITS[0] in printed
+
+
+def test_lora_rank_of_a_fused_weight_follows_its_mass_per_expert():
+    model, run = moe_run("mixtral")
+    name = "model.layers.0.mlp.experts.down_proj"  # (E, d, I): cap min(d, I) = 8 per expert
+    linear = "model.layers.0.self_attn.q_proj"
+    f = run.fisher[name]
+    run.fisher[f"{linear}.weight"] = torch.full_like(run.fisher[f"{linear}.weight"], 1.0)
+    run.fisher[name] = torch.full_like(f, 1.0)
+    run = runs.make_run(run.fisher, objectives=[{"name": "rl", "signal_scale": 0.5}],
+                        fingerprint=fingerprint(model), run_id="run-equal")
+    hints = lora_hints(run, modules=[name, linear], total_rank=16, rank_step=1, min_rank=1)
+    q_mass, e_mass = (t["bound_mass"] for t in sorted(hints.targets, key=lambda t: t["name"] != linear))
+    assert e_mass == pytest.approx(q_mass * EXPERTS * 16 * 8 / (16 * 16))  # sum of sqrt(1) over the coordinates
+    # ranks in proportion to the mass per expert: q_proj (256 coordinates) vs one expert's 128 -> 2:1 of 16
+    assert hints.ranks == {linear: 11, name: 5}  # 10.67 and 5.33: the missing unit to the larger remainder

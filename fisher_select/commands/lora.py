@@ -98,3 +98,9 @@ def print_targets(export) -> None:
           f"total rank {meta['total_rank']} (ranks in proportion to the {selection['ranking'].replace('_', ' ')})")
     print(f"LoRA adapters: {export.trainable:,} trainable parameters "
           f"({export.trainable / export.numel:.2%} of the model's {export.numel:,}); base weights frozen")
+    experts = [t for t in targets if t.get("experts")]
+    if experts:  # fused MoE expert weights go through PEFT's target_parameters, with its limits
+        print(f"{len(experts)} targets are fused expert weights (target_parameters; {experts[0]['experts']} experts "
+              f"each, the rank is per expert). PEFT's limits for them:")
+        for line in meta.get("peft_limits", []):
+            print(f"  - {line}")
