@@ -8,11 +8,13 @@ import re
 import peft
 import pytest
 import torch
+import yaml
 
 from fisher_select.models import fingerprint
+from fisher_select.outputs.axolotl import EXPERT_COVER, EXPERT_NOTE, match_patterns, unfrozen_parameters
 from fisher_select.outputs.lora import EXPERT_LIMITS, LoraHints, lora_export, lora_hints, trainable_lora_parameters
 from fisher_select.outputs.masks import select_masks
-from fisher_select.stats.experts import fused_experts_of
+from fisher_select.stats.experts import expert_masses, fused_experts_of
 from fisher_select.stats.ranking import top_count
 from tests import runs
 from tests.test_select import assert_masks_equal, first_k_by_value, smallest_mass_set
@@ -137,3 +139,30 @@ def test_lora_rank_of_a_fused_weight_follows_its_mass_per_expert():
     assert e_mass == pytest.approx(q_mass * EXPERTS * 16 * 8 / (16 * 16))  # sum of sqrt(1) over the coordinates
     # ranks in proportion to the mass per expert: q_proj (256 coordinates) vs one expert's 128 -> 2:1 of 16
     assert hints.ranks == {linear: 11, name: 5}  # 10.67 and 5.33: the missing unit to the larger remainder
+
+
+def test_axolotl_unfreezes_fused_tensors_whole_and_names_experts_by_index(tmp_path):
+    model, run = moe_run("gpt_oss", dead=2)
+    experts_module = "model.layers.1.mlp.experts"
+    boost = {n: f * (1e6 if n.startswith(experts_module + ".") else 1.0) for n, f in run.fisher.items()}
+    boost[f"{experts_module}.gate_up_proj"][0] *= 100.0  # expert 0 carries most of the module's bound mass
+    run = runs.make_run(boost, objectives=[{"name": "rl", "signal_scale": 0.5}], fingerprint=fingerprint(model))
+    result = unfrozen_parameters(run, top_modules=1, model=model)
+    (module,) = result.modules
+    assert module["name"] == experts_module
+    tensors = sorted(n for n in run.fisher if n.startswith(experts_module + "."))
+    assert sorted(module["parameters"]) == tensors  # every fused tensor, whole: all experts train
+    assert result.trainable == sum(run.fisher[n].numel() for n in tensors)
+    bound, _ = expert_masses(run.fisher, [fused_experts_of(model)[n] for n in tensors])
+    by_mass = module["experts"]["by_mass"]
+    assert [e["expert"] for e in by_mass] == sorted(range(EXPERTS), key=lambda e: -bound[e])
+    assert [e["bound_share"] for e in by_mass] == pytest.approx(sorted((b / sum(bound) for b in bound), reverse=True))
+    shares = sorted(bound, reverse=True)
+    need = next(k for k in range(1, EXPERTS + 1) if sum(shares[:k]) >= EXPERT_COVER * sum(bound))
+    assert module["experts"]["carrying"] == [e["expert"] for e in by_mass[:need]] and by_mass[0]["expert"] == 0
+    assert module["experts"]["zero"] == [2]
+    text = result.yaml_text()
+    assert EXPERT_NOTE.split()[0] in text and "F = 0: 2" in text
+    assert yaml.safe_load(text) == {"unfrozen_parameters": result.patterns}
+    matched = match_patterns(result.patterns, [n for n, _ in model.named_parameters()])
+    assert sorted(n for hits in matched.values() for n in hits) == tensors
