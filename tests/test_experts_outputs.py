@@ -115,6 +115,13 @@ def test_lora_targets_fused_experts_through_target_parameters(family, tmp_path, 
     ids = torch.tensor([[3, 5, 7, 9]])
     with torch.no_grad():  # B starts at zero: the adapted model computes what the base computes
         torch.testing.assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits)
+    with torch.no_grad():  # trained adapters (B != 0) merge into the fused weights: same logits after merging
+        for wrapper in wrappers.values():
+            wrapper.lora_B["default"].weight.normal_(0, 0.5)
+        adapted = peft_model(input_ids=ids).logits
+        assert not torch.allclose(adapted, model(input_ids=ids).logits)
+        merged = peft_model.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
     bad = copy.deepcopy(config)
     bad.lora_dropout = 0.1  # one of the stated limits, as PEFT enforces it
     with pytest.raises(ValueError, match="lora_dropout"):
