@@ -19,7 +19,7 @@ from fisher_select.stats.ranking import top_count
 from tests import runs
 from tests.test_select import assert_masks_equal, first_k_by_value, smallest_mass_set
 from tests.tiny import run_command
-from tests.tiny_moe import EXPERTS, tiny_moe
+from tests.tiny_moe import EXPERTS, MOE_FAMILIES, tiny_moe
 
 
 def moe_run(family: str, seed: int = 0, dead: int | None = None):
@@ -91,7 +91,7 @@ def _param_wrappers(peft_model) -> dict[str, object]:
     return out
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
 def test_lora_targets_fused_experts_through_target_parameters(family, tmp_path, capsys):
     model, run = moe_run(family)
     export = lora_export(run, coverage=1.0, model=model)  # every eligible target

@@ -77,8 +77,10 @@ def test_keys_unknown_counts_and_bad_input(monkeypatch):
         rx.expert_section(fisher, None, {"model.layers.7.mlp": [1] * EXPERTS})
     with pytest.raises(FisherSelectError, match="list 3 experts"):
         rx.expert_section(fisher, None, {"model.layers.0.mlp": [1, 1, 1]})
-    with pytest.raises(FisherSelectError, match="whole numbers"):
-        rx.expert_section(fisher, None, {"model.layers.0.mlp": [1, -1, 0, 0]})
+    for bad in ([1, -1, 0, 0], [1, 0.5, 0, 0], ["a", 0, 0, 0]):
+        with pytest.raises(FisherSelectError, match="whole numbers"):
+            rx.expert_section(fisher, None, {"model.layers.0.mlp": bad})
+    assert rx.expert_section(fisher, None, {"model.layers.0.mlp": torch.tensor([1, 0, 2, 1])}).layers[0].tokens == [1, 0, 2, 1]
     odd = {"model.layers.0.mlp": [0 if f else 1 for f in rx.expert_section(fisher, None, counts).layers[0].tokens]}
     flipped = rx.expert_section(fisher, None, odd)  # zero counts where F > 0: refused as a bug in the findings
     assert rx.NO_TOKENS_BUT_F in flipped.layers[0].flags and "do not belong" in " ".join(rx.findings(flipped))

@@ -102,11 +102,20 @@ def _counts_by_module(token_counts: Mapping[str, Sequence[int]], modules) -> dic
         if module not in modules:
             raise FisherSelectError(f"token counts name layer {key!r}, which has no fused experts in this run; "
                                     "key them by the MoE block (model.layers.0.mlp) or its experts module")
-        values = [int(c) for c in counts]
-        if any(c < 0 for c in values) or any(int(c) != c for c in counts):
-            raise FisherSelectError(f"token counts of {key!r} must be whole numbers >= 0, got {list(counts)[:8]}")
-        out[module] = values
+        out[module] = _whole_counts(key, counts)
     return out
+
+
+def _whole_counts(key: str, counts: Sequence[int]) -> list[int]:
+    try:
+        values = [int(c) for c in counts]
+        whole = all(v == c for v, c in zip(values, counts))
+    except (TypeError, ValueError):
+        whole = False
+    if not whole or any(v < 0 for v in values):
+        raise FisherSelectError(f"token counts of {key!r} must be whole numbers >= 0, one per expert; got "
+                                f"{list(counts)[:8]}")
+    return values
 
 
 def _flag(tokens: int | None, bound: float) -> str:
