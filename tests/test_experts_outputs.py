@@ -173,3 +173,28 @@ def test_axolotl_unfreezes_fused_tensors_whole_and_names_experts_by_index(tmp_pa
     assert yaml.safe_load(text) == {"unfrozen_parameters": result.patterns}
     matched = match_patterns(result.patterns, [n for n, _ in model.named_parameters()])
     assert sorted(n for hits in matched.values() for n in hits) == tensors
+
+
+def test_per_expert_masks_hold_in_training():
+    """The per-expert selection that axolotl cannot express: enforced with apply_masks, the experts' unselected
+    slices stay bit-identical through AdamW steps with weight decay, and selected slices move."""
+    from fisher_select import apply_masks
+
+    model, run = moe_run("mixtral", dead=3)
+    masks = select_masks(run, per_module=True, bound_mass=0.5).masks
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    handle = apply_masks(model, masks)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(2, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        opt.zero_grad()
+        torch.log_softmax(model(input_ids=ids).logits.float(), -1)[..., 7].sum().backward()
+        opt.step()
+    handle.remove()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach()[~masks[name]], before[name][~masks[name]]), name
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not masks[gate_up][3].any()  # the expert without F: nothing selected, nothing moved
+    moved = (model.get_parameter(gate_up).detach() != before[gate_up]).flatten(1).any(1)  # (E,)
+    assert moved[:3].all() and not moved[3]

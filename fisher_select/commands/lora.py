@@ -49,7 +49,8 @@ def add_lora_arguments(p) -> None:
     p.add_argument("--layers", type=_int_list, metavar="I,J,...",
                    help="only modules of these layer indices (PEFT layers_to_transform)")
     p.add_argument("--modules", nargs="+", metavar="NAME",
-                   help="only these modules (full names or suffixes such as q_proj v_proj)")
+                   help="only these modules (full names or suffixes such as q_proj v_proj; fused MoE expert "
+                        "weights by parameter name or suffix, such as gate_up_proj)")
 
 
 def _int_list(text: str) -> list[int]:
