@@ -18,8 +18,9 @@ Ties are broken deterministically: among equal values, the coordinate that comes
 *canonical order* wins: parameters sorted by name, then row-major (flat) index inside each.
 
 ``per_module=True`` applies the budget (top / fisher_mass / bound_mass) within each parameter tensor instead of over
-the whole model; a fused MoE expert tensor (``stats.experts``) counts as one tensor per expert: the budget applies
-within each expert's slice (``experts.3.gate_up_proj``), as a dense model's per-expert ``gate_proj`` would get it. ``structured="rows"|"columns"`` makes whole rows / columns of 2-D weights the
+the whole model; a fused MoE expert tensor (``stats.experts``) counts as one tensor per expert: the budget
+applies within each expert's slice (``experts.3.gate_up_proj``), as a dense model's per-expert Linears
+would get it. ``structured="rows"|"columns"`` makes whole rows / columns of 2-D weights the
 unit: a unit's value is its summed Fisher ``F_u`` and its bound ``sqrt(S * F_u)`` bounds the
 Euclidean norm of that row's (column's) expected gradient (Cauchy-Schwarz per coordinate, summed).
 Parameters that are not 2-D (norm weights, biases) fall back to single coordinates as units, and
