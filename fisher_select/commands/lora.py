@@ -49,7 +49,8 @@ def add_lora_arguments(p) -> None:
     p.add_argument("--layers", type=_int_list, metavar="I,J,...",
                    help="only modules of these layer indices (PEFT layers_to_transform)")
     p.add_argument("--modules", nargs="+", metavar="NAME",
-                   help="only these modules (full names or suffixes such as q_proj v_proj)")
+                   help="only these modules (full names or suffixes such as q_proj v_proj; fused MoE expert "
+                        "weights by parameter name or suffix, such as gate_up_proj)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -98,3 +99,9 @@ def print_targets(export) -> None:
           f"total rank {meta['total_rank']} (ranks in proportion to the {selection['ranking'].replace('_', ' ')})")
     print(f"LoRA adapters: {export.trainable:,} trainable parameters "
           f"({export.trainable / export.numel:.2%} of the model's {export.numel:,}); base weights frozen")
+    experts = [t for t in targets if t.get("experts")]
+    if experts:  # fused MoE expert weights go through PEFT's target_parameters, with its limits
+        print(f"{len(experts)} targets are fused expert weights (target_parameters; {experts[0]['experts']} experts "
+              f"each, the rank is per expert). PEFT's limits for them:")
+        for line in meta.get("peft_limits", []):
+            print(f"  - {line}")

@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     rule.add_argument("--threshold", type=float, metavar="TAU",
                       help="coordinates whose bound sqrt(F*S) exceeds TAU (needs a known S)")
     p.add_argument("--per-module", action="store_true",
-                   help="apply the --top / --fisher-mass / --bound-mass budget within each parameter tensor")
+                   help="apply the --top / --fisher-mass / --bound-mass budget within each parameter tensor "
+                        "(within each expert's slice of a fused MoE expert tensor)")
     p.add_argument("--structured", choices=STRUCTURES,
                    help="select whole rows/columns of 2-D weights (other parameters: coordinates)")
     p.add_argument("--objective", metavar="NAME", help="objective whose S sets the bound (default: primary)")

@@ -20,6 +20,14 @@ aggregates"). Every pattern is checked before anything is written to match at le
 parameter the run recorded (and of the model, when one is given), matched the way axolotl
 matches (compile-and-``re.match``): a pattern that silently matches nothing is the commonest
 complaint in its tracker.
+
+**MoE experts.** A fused expert tensor (``model.layers.0.mlp.experts.gate_up_proj``, experts along
+dim 0, ``stats.experts``) is one parameter: a pattern unfreezes all of its experts or none. axolotl's
+range suffix ``[3:4]`` applies to dim 0, i.e. to experts, but only zeroes the other experts' gradients
+(weight decay still moves them), so it is not emitted either. The export unfreezes the fused tensor
+and names, in the comments and in ``modules[i]["experts"]``, the experts by index with their share of
+the module's bound mass: the fewest carrying ``EXPERT_COVER`` of it, and those with F = 0. A
+per-expert selection that holds needs ``select --per-module`` masks with ``FisherMaskCallback``.
 """
 
 from __future__ import annotations
@@ -42,8 +50,14 @@ from fisher_select.outputs.config import DEFAULT_BOUND_MASS
 from fisher_select.outputs.config import UnfreezeConfig  # noqa: F401  (its former home: imports still work)
 from fisher_select.run.load import Run, load_run
 from fisher_select.stats.bounds import module_masses
+from fisher_select.stats.experts import expert_masses, experts_by_module, fused_experts
 
 AXOLOTL_KEY = "unfrozen_parameters"
+EXPERT_COVER = 0.9  # an experts module's comment names the fewest experts holding this share of its bound mass
+EXPERT_NOTE = ("a fused MoE expert tensor is unfrozen whole: a pattern cannot select one expert's slice (axolotl's "
+               "[start:end] suffix would only zero the other experts' gradients, and weight decay still moves them); "
+               "its comment names the experts that carry the mass. For a per-expert selection use fisher-select select "
+               "--per-module with FisherMaskCallback")
 _RANGE_SUFFIX = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")  # axolotl's LayerNamePattern range syntax
 _SHOWN = 5  # names listed in an error before "... and N more"
 
@@ -100,6 +114,8 @@ class UnfrozenParameters:
         for module in self.modules:
             lines.append(f"# {module['name']}: {module['bound_share']:.4f} of the bound mass, "
                          f"{module['numel']:,} parameters")
+            if "experts" in module:
+                lines.extend(f"#   {line}" for line in _wrap(_experts_comment(module["experts"])))
             lines.extend(f"- {_yaml_scalar(axolotl_pattern(p))}" for p in module["parameters"])
         return "\n".join(lines) + "\n"
 
@@ -114,8 +130,36 @@ class UnfrozenParameters:
             f"{len(self.modules)} modules, {self.covered:.1%} of the bound mass; {self.trainable:,} of "
             f"{self.numel:,} parameters trainable ({self.trainable / self.numel:.2%})",
             "each pattern is ^name$ over model.named_parameters(); axolotl escapes the dots itself",
+            *(_wrap(EXPERT_NOTE) if any("experts" in m for m in self.modules) else []),
             *_wrap(prov["caveat"]),
         ]
+
+
+def _experts_comment(experts: dict) -> str:
+    shares = ", ".join(f"{e['expert']}={e['bound_share']:.1%}" for e in experts["by_mass"])
+    zero = ", ".join(map(str, experts["zero"])) or "none"
+    return (f"experts by index, fewest holding {EXPERT_COVER:.0%} of this module's bound mass: "
+            f"{', '.join(map(str, experts['carrying']))}; all by share: {shares}; F = 0: {zero}")
+
+
+def _name_experts(modules: list[dict], fisher: dict) -> None:
+    """Add ``experts`` (per expert index: share of the module's bound mass; the fewest carrying EXPERT_COVER;
+    those with F = 0) to every chosen module holding fused expert tensors."""
+    grouped = experts_by_module(fused_experts({n: tuple(f.shape) for n, f in fisher.items()}))
+    for module in modules:
+        if module["name"] not in grouped:
+            continue
+        bound, _ = expert_masses(fisher, grouped[module["name"]])
+        total = math.fsum(bound) or 1.0
+        order = sorted(range(len(bound)), key=lambda e: (-bound[e], e))
+        carrying, running = [], 0.0
+        for e in order:
+            if running >= EXPERT_COVER * total or bound[e] == 0.0:
+                break
+            carrying.append(e)
+            running += bound[e]
+        module["experts"] = {"by_mass": [{"expert": e, "bound_share": bound[e] / total} for e in order],
+                             "carrying": carrying, "zero": [e for e in range(len(bound)) if bound[e] == 0.0]}
 
 
 def _yaml_scalar(text: str) -> str:
@@ -180,6 +224,7 @@ def unfrozen_parameters(
                                 "parameters; please report this")
     modules = [{"name": u["name"], "bound_share": u["bound_mass"] / total, "numel": u["numel"],
                 "parameters": u["parameters"]} for u in chosen]
+    _name_experts(modules, run.fisher_for(objective))
     return UnfrozenParameters(
         patterns=patterns, modules=modules, trainable=sum(sizes[n] for n in unfrozen), numel=sum(sizes.values()),
         covered=math.fsum(u["bound_mass"] for u in chosen) / total,

@@ -13,9 +13,17 @@ the provenance PEFT has no field for (run id, model fingerprint, selection, per-
 ``fisher_select_provenance.json`` beside it; ``LoraHints.from_pretrained(dir, model)`` reads both
 and checks the model.
 
+**MoE experts.** A fused 3-D expert weight (``model.layers.0.mlp.experts.gate_up_proj``) has no Linear
+module; PEFT adapts it through ``target_parameters`` (its ``lora.ParamWrapper``): one rank-r adapter
+per expert, the same r for every expert of the tensor. Such targets are listed there by full
+parameter name, ranked with the modules by the tensor's mass, and their rank is allocated by the
+mass per expert (``targets.Target.rank_mass``). PEFT's limits for them (``EXPERT_LIMITS``) are written
+into the provenance (``peft_limits``) and printed by ``fisher-select lora``.
+
 ``rank_pattern`` / ``alpha_pattern`` keys are ``re.escape(full name)``. PEFT (0.21) looks a
 module's key up with ``re.match(rf"(.*\\.)?({key})$", module_name)`` (``get_pattern_key``), so an
-escaped full name matches exactly the modules the same ``target_modules`` entry matches.
+escaped full name matches exactly the modules the same ``target_modules`` entry matches; for a
+``target_parameters`` entry PEFT looks up the full parameter name, which the same key matches.
 """
 
 from __future__ import annotations
@@ -44,7 +52,22 @@ from fisher_select.stats.naming import module_of
 
 # PEFT's LoraConfig fields a hint sets (everything else keeps PEFT's default).
 PEFT_FIELDS = ("task_type", "target_modules", "r", "lora_alpha", "rank_pattern", "alpha_pattern",
-               "layers_to_transform", "fan_in_fan_out")
+               "layers_to_transform", "fan_in_fan_out", "target_parameters")
+# What PEFT 0.21 (lora.ParamWrapper, tuners_utils._inject_parameters) allows for target_parameters; read from its source.
+EXPERT_LIMITS = (
+    "PEFT adapts a fused expert tensor (target_parameters) with one rank for every expert of the tensor: "
+    "the rank written here is per expert, and no per-expert rank or alpha is possible",
+    "lora_dropout must stay 0, and fan_in_fan_out, lora_bias, use_dora and other LoRA variants are refused "
+    "for these targets (PEFT raises ValueError)",
+    "all adapters of one model that use target_parameters must target the same parameters; mixed adapter "
+    "batches (adapter_names=...) are not supported",
+    "the adapter is applied through a parametrization while the experts module runs: reading the parameter "
+    "directly (module.gate_up_proj) gives the base weight; merge_and_unload() merges it into the base weight",
+    "under torch.compile, expect recompilations or graph breaks",
+    "get_peft_model warns that the rank_pattern / alpha_pattern keys of these targets 'did not match any targeted "
+    "module and were ignored': PEFT 0.21 checks that warning against modules only; the ranks are applied "
+    "(PEFT looks each key up by the full parameter name)",
+)
 
 
 @dataclass
@@ -60,6 +83,7 @@ class LoraHints:
     fan_in_fan_out: bool = False  # GPT-2 style Conv1D weights
     task_type: str | None = "CAUSAL_LM"
     provenance: dict = field(default_factory=dict)  # run id, model, caveats, selection, ranks, per-target rows
+    target_parameters: list[str] | None = None  # fused MoE expert weights (full parameter names); None: none
 
     @property
     def targets(self) -> list[dict]:
@@ -133,7 +157,7 @@ def _read_hint_files(path: Path) -> tuple[Path, dict, dict]:
             f"{config_file} has no {LORA_PROVENANCE_FILE} beside it; it was not written by fisher-select "
             "(use peft.LoraConfig.from_pretrained for a foreign adapter config)")
     names = [t["name"] for t in meta.get("targets", [])]
-    if names and sorted(names) != sorted(fields.get("target_modules") or []):
+    if names and sorted(names) != sorted((fields.get("target_modules") or []) + (fields.get("target_parameters") or [])):
         raise FisherSelectError(
             f"{sidecar} lists other targets than {config_file}; the config was edited or the files mixed up: "
             "write the hint again with `fisher-select lora ... --overwrite`")
@@ -187,21 +211,27 @@ def lora_hints(run: "Run | str | os.PathLike", config: LoraHintConfig | None = N
     cfg = LoraHintConfig.with_fields(config, fields)
     step, min_rank = _check_ranks(cfg)
     layers = sorted({int(i) for i in layers_to_transform}) if layers_to_transform is not None else None
-    found = tg.eligible(run, module_types=module_types, model=model, layers=layers, modules=modules)
+    found = tg.eligible(run, module_types=module_types, model=model, layers=layers, modules=modules, experts=True)
     coverage = DEFAULT_COVERAGE if cfg.coverage is None and cfg.top_n is None else cfg.coverage
     chosen, covered = tg.choose(found, coverage, cfg.top_n, cfg.ranking)
     tg.check_unambiguous(chosen, run, model)
     requested = cfg.mean_rank * len(chosen) if cfg.total_rank is None else int(cfg.total_rank)
-    ranks = allocate_ranks([t.mass(cfg.ranking) for t in chosen], [t.shape for t in chosen],
+    ranks = allocate_ranks([t.rank_mass(cfg.ranking) for t in chosen], [t.shape for t in chosen],
                            [t.name for t in chosen], requested, step, min_rank, cfg.max_rank)
     alphas = [_alpha(cfg.alpha_ratio, r) for r in ranks]
+    experts = [t.name for t in chosen if t.num_experts]
+    if experts and any(t.kind == "Conv1D" for t in chosen):
+        raise FisherSelectError(f"targets {experts[0]} (a fused expert weight) and Conv1D modules need PEFT's "
+                                "fan_in_fan_out both off and on; restrict --modules to one kind")
     common = max(Counter(ranks).items(), key=lambda kv: (kv[1], kv[0]))[0]
     selection = {"coverage": coverage, "top_n": cfg.top_n, "ranking": cfg.ranking, "covered": covered,
                  "layers_to_transform": layers, "modules": modules}
     provenance = {**run.provenance(CAVEAT), "selection": selection, "total_rank": sum(ranks),
                   "requested_total_rank": requested, "rank_step": step, "alpha_ratio": cfg.alpha_ratio,
-                  "targets": _target_rows(chosen, ranks, alphas, found)}
-    return LoraHints(target_modules=[t.name for t in chosen], r=common, lora_alpha=_alpha(cfg.alpha_ratio, common),
+                  "targets": _target_rows(chosen, ranks, alphas, found),
+                  **({"peft_limits": list(EXPERT_LIMITS)} if experts else {})}
+    return LoraHints(target_modules=[t.name for t in chosen if not t.num_experts], target_parameters=experts or None,
+                     r=common, lora_alpha=_alpha(cfg.alpha_ratio, common),
                      rank_pattern={pattern_key(t.name): r for t, r in zip(chosen, ranks)},
                      alpha_pattern={pattern_key(t.name): a for t, a in zip(chosen, alphas)},
                      layers_to_transform=layers, fan_in_fan_out=any(t.kind == "Conv1D" for t in chosen),
@@ -217,7 +247,8 @@ def _target_rows(chosen: list[tg.Target], ranks, alphas, found: list[tg.Target])
     bound_total = sum(t.bound_mass for t in found) or 1.0
     fisher_total = sum(t.fisher_mass for t in found) or 1.0
     return [{"name": t.name, "bound_mass": t.bound_mass, "bound_share": t.bound_mass / bound_total,
-             "fisher_mass": t.fisher_mass, "fisher_share": t.fisher_mass / fisher_total, "rank": r, "alpha": a}
+             "fisher_mass": t.fisher_mass, "fisher_share": t.fisher_mass / fisher_total, "rank": r, "alpha": a,
+             **({"experts": t.num_experts} if t.num_experts else {})}
             for t, r, a in zip(chosen, ranks, alphas)]
 
 
@@ -304,25 +335,33 @@ def lora_export(run: "Run | str | os.PathLike", config: LoraHintConfig | None = 
     hints = lora_hints(run, config, model=model, **kwargs)
     peft_config = hints.peft_config()
     names = sorted({module_of(n) for n in run.fisher} | {e.name for e in run.report.modules})
-    matched = check_lora_targets(peft_config, names, f"the modules of run {run.run_id}")
+    matched = check_lora_targets(peft_config, names, f"the modules of run {run.run_id}", list(run.fisher))
     if model is not None:
         matched = check_lora_targets(peft_config, [n for n, _ in model.named_modules()],
-                                     f"the model's named_modules() ({type(model).__name__})")
-    trainable = sum(r * sum(run.fisher[f"{name}.weight"].shape) for name, r in hints.ranks.items())
+                                     f"the model's named_modules() ({type(model).__name__})",
+                                     [n for n, _ in model.named_parameters()])
+    found = {t.name: t for t in tg.expert_targets(run)}
+    trainable = sum(r * (found[name].lora_parameters if name in found else sum(run.fisher[f"{name}.weight"].shape))
+                    for name, r in hints.ranks.items())
     return LoraExport(hints=hints, trainable=trainable, numel=sum(t.numel() for t in run.fisher.values()),
                       matched=matched)
 
 
-def check_lora_targets(config, names: list[str], where: str) -> dict[str, list[str]]:
-    """Target -> module names PEFT adapts (``check_target_module_exists``); refuses unmatched targets.
+def check_lora_targets(config, names: list[str], where: str, parameters: list[str] = ()) -> dict[str, list[str]]:
+    """Target -> module (or, for ``target_parameters``, parameter) names PEFT adapts; refuses unmatched targets.
 
-    Also refuses a ``rank_pattern`` / ``alpha_pattern`` key that PEFT would give no adapted module.
+    Modules are matched by PEFT's ``check_target_module_exists``; parameters as PEFT's ``_inject_parameters``
+    matches them (the full name or a ``.``-suffix of it). Also refuses a ``rank_pattern`` / ``alpha_pattern``
+    key that PEFT would give no adapted module or parameter.
     """
     from peft.tuners.tuners_utils import check_target_module_exists
     from peft.utils.other import get_pattern_key
 
     adapted = [n for n in names if check_target_module_exists(config, n)]
     matched = {t: [n for n in adapted if n == t or n.endswith("." + t)] for t in list(config.target_modules)}
+    wanted = list(config.target_parameters or [])
+    matched.update({t: [p for p in parameters if p == t or p.endswith("." + t)] for t in wanted})
+    adapted += [p for t in wanted for p in matched[t]]
     refuse_unmatched([t for t, hits in matched.items() if not hits], where, "LoRA target")
     for patterns, what in ((config.rank_pattern, "rank_pattern"), (config.alpha_pattern, "alpha_pattern")):
         used = {get_pattern_key(list(patterns), n) for n in adapted}

@@ -18,7 +18,9 @@ Ties are broken deterministically: among equal values, the coordinate that comes
 *canonical order* wins: parameters sorted by name, then row-major (flat) index inside each.
 
 ``per_module=True`` applies the budget (top / fisher_mass / bound_mass) within each parameter tensor instead of over
-the whole model. ``structured="rows"|"columns"`` makes whole rows / columns of 2-D weights the
+the whole model; a fused MoE expert tensor (``stats.experts``) counts as one tensor per expert: the budget
+applies within each expert's slice (``experts.3.gate_up_proj``), as a dense model's per-expert Linears
+would get it. ``structured="rows"|"columns"`` makes whole rows / columns of 2-D weights the
 unit: a unit's value is its summed Fisher ``F_u`` and its bound ``sqrt(S * F_u)`` bounds the
 Euclidean norm of that row's (column's) expected gradient (Cauchy-Schwarz per coordinate, summed).
 Parameters that are not 2-D (norm weights, biases) fall back to single coordinates as units, and
@@ -49,6 +51,7 @@ from fisher_select.outputs.config import SCORES
 from fisher_select.run.io import save_tensors
 from fisher_select.run.load import Run, load_run
 from fisher_select.run.names import MASK_FORMAT, sidecar_path
+from fisher_select.stats.experts import FusedExperts, fused_experts
 from fisher_select.stats.naming import module_of
 from fisher_select.stats.ranking import nonnegative, top_count, top_units
 from fisher_select.stats.topk import coarse_histogram, threshold_keys
@@ -120,9 +123,12 @@ def select_masks(
     warnings = _degenerate_scale(run, rule, scale, objective)
     units = (_unit_values(run, rule, structured, scale, objective) if score == "bound"
              else {name: g.detach().float().abs().reshape(-1) for name, g in run.grad_estimate_of(objective).items()})
-    chosen = _choose_units(units, rule, value, per_module)
+    experts = _expert_groups(run, structured) if per_module else {}
+    chosen = _choose_units(units, rule, value, per_module, experts)
     masks = {name: _expand(chosen[name], run.fisher[name], structured) for name in units}
     meta = _meta(run, masks, rule, value, per_module, structured, objective, scale)
+    if experts:  # which tensors got one budget per expert
+        meta["rule"]["per_expert"] = sorted(experts)
     meta["rule"]["score"] = score
     meta["warnings"] = warnings + _oversized(meta, units, rule, scale)
     return MaskSet(masks=masks, meta=meta)
@@ -265,15 +271,30 @@ def _expand(units: torch.Tensor, fisher: torch.Tensor, structured: str | None) -
 # Rules over units
 
 
-def _choose_units(units, rule, value, per_module) -> dict[str, torch.Tensor]:
-    """Apply the rule globally or per parameter; returns 1-D bool unit masks."""
+def _choose_units(units, rule, value, per_module, experts=None) -> dict[str, torch.Tensor]:
+    """Apply the rule globally, or per parameter (per expert slice of a fused tensor in ``experts``);
+    returns 1-D bool unit masks."""
     if rule == "threshold":
         return {name: u > value for name, u in units.items()}
-    groups = [{name: units[name]} for name in sorted(units)] if per_module else [units]
+    if not per_module:
+        return _apply_budget(units, rule, value)
     chosen: dict[str, torch.Tensor] = {}
-    for group in groups:
-        chosen.update(_apply_budget(group, rule, value))
+    for name in sorted(units):
+        fused = (experts or {}).get(name)
+        if fused is None:
+            chosen.update(_apply_budget({name: units[name]}, rule, value))
+            continue
+        slices = {fused.slice_name(e): u for e, u in enumerate(fused.split_units(units[name]))}  # expert order
+        picked = [_apply_budget({key: u}, rule, value)[key] for key, u in slices.items()]
+        chosen[name] = torch.cat(picked)
     return chosen
+
+
+def _expert_groups(run, structured: str | None) -> dict[str, FusedExperts]:
+    """The run's fused expert tensors whose units split by expert: all of them but a 2-D tensor's columns
+    (a column of an (E, X) bias crosses every expert). 3-D tensors have coordinates as units (see ``structured``)."""
+    fused = fused_experts({name: tuple(f.shape) for name, f in run.fisher.items()})
+    return {name: f for name, f in fused.items() if not (structured == "columns" and len(f.shape) == 2)}
 
 
 def _apply_budget(units, rule, value) -> dict[str, torch.Tensor]:

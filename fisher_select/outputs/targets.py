@@ -9,6 +9,12 @@ Modules rank by one of two masses (``settings.RANKINGS``), never confused: the *
 sqrt(F) over the module (the sum of its bounds up to sqrt(S)), which tracks how much training
 moves a module, and the **Fisher mass**, the sum of F, dominated by a few huge coordinates
 (docs/VALIDATION.md measures both). The default is the bound mass.
+
+With ``experts=True`` (LoRA), the 3-D fused expert weights of an MoE model (``stats.experts``) are
+candidates too, as **parameter** targets named by their full parameter name (PEFT's
+``target_parameters``): they have no Linear module. Their masses are the tensor's sums over every
+expert (what a target covers); ``Target.rank_mass`` divides by the number of experts, since PEFT gives
+every expert of the tensor an adapter of the same rank. Their 2-D biases (gpt-oss) are not targets.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
 from fisher_select.run.load import Run
 from fisher_select.run.schema import ModuleEntry
+from fisher_select.stats.experts import fused_experts
 
 # Input embeddings / output heads by name, only for reports that record neither the rules' roles
 # (``coverage["embeddings"]``, written by calibrate) nor come with the model.
@@ -38,13 +45,24 @@ class Target:
     fisher_mass: float  # sum of F
     shape: tuple[int, int]  # weight shape as stored in the run (out, in) for nn.Linear
     kind: str | None  # class name, when known
+    num_experts: int | None = None  # a fused expert weight (a PEFT target_parameters entry); shape is one expert's
 
     def mass(self, ranking: str) -> float:
         return self.bound_mass if ranking == "bound_mass" else self.fisher_mass
 
+    def rank_mass(self, ranking: str) -> float:
+        """The mass a rank is allocated by: per expert for a fused expert weight (one rank for every expert)."""
+        return self.mass(ranking) / (self.num_experts or 1)
 
-def eligible(run: Run, *, module_types, model, layers, modules) -> list[Target]:
-    """Linear-like modules of the run, filtered by type (None: any), layer index and ``modules``."""
+    @property
+    def lora_parameters(self) -> int:
+        """LoRA parameters per unit of rank: in + out, times the experts for a fused expert weight."""
+        return sum(self.shape) * (self.num_experts or 1)
+
+
+def eligible(run: Run, *, module_types, model, layers, modules, experts: bool = False) -> list[Target]:
+    """Linear-like modules of the run (and with ``experts`` its fused expert weights), filtered by type (None:
+    any), layer index and ``modules``."""
     if model is not None:
         check_fingerprint(run.fingerprint, model, f"run {run.run_id}")
     heads = set() if model is None else {id(m) for m in rules.embeddings_and_heads(model)}
@@ -59,6 +77,9 @@ def eligible(run: Run, *, module_types, model, layers, modules) -> list[Target]:
         if layers is not None and layer_index(entry.name) not in layers:
             continue
         found.append(Target(entry.name, float(entry.bound_mass), float(entry.fisher_mass), tuple(weight.shape), kind))
+    if experts:
+        found += [t for t in expert_targets(run) if (module_types is None or t.kind in module_types)
+                  and (layers is None or layer_index(t.name) in layers)]
     found = _restrict(found, modules, run)
     if not found:
         raise FisherSelectError(
@@ -66,6 +87,19 @@ def eligible(run: Run, *, module_types, model, layers, modules) -> list[Target]:
             f"layers {layers}); widen --layers / --modules"
         )
     return found
+
+
+def expert_targets(run: Run) -> list[Target]:
+    """The run's 3-D fused expert weights as parameter targets (kind: the experts module's recorded class)."""
+    kinds = {e.name: e.type for e in run.report.modules}
+    out = []
+    for name, fused in fused_experts({n: tuple(f.shape) for n, f in run.fisher.items()}).items():
+        if len(fused.shape) != 3:
+            continue  # an (E, X) bias: PEFT would adapt it as one (E x X) Linear, which it is not
+        f = run.fisher[name].detach().double().clamp_min(0)
+        out.append(Target(name, float(f.sqrt().sum()), float(f.sum()), fused.shape[1:], kinds.get(fused.module),
+                          fused.num_experts))
+    return out
 
 
 def _describe(entry: ModuleEntry, run: Run, model, heads: set[int]) -> tuple[str | None, bool, bool]:

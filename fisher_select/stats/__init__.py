@@ -8,6 +8,7 @@
 - ``correlation``: Spearman's rank correlation, mask overlaps;
 - ``stability``: split-half stability of a Fisher estimate;
 - ``conformity``: the score-mean check (do the samples follow the model?).
+- ``experts``: fused MoE expert tensors (expert index = dim 0) split into per-expert units.
 
 Nothing here imports from another floor of fisher_select but ``errors``.
 """
