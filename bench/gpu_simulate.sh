@@ -47,8 +47,9 @@ lap prepare
 MACHINE=$SIM/machine
 rm -rf "$MACHINE" "$SIM/work" "$SIM/out"
 mkdir -p "$MACHINE/repo" "$SIM/out"
-git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} cp --parents {} "$MACHINE/repo/" 2>/dev/null || true
-# (files deleted in the work tree but still in the index are skipped by cp, as the run tool skips them)
+# tracked and untracked-not-ignored files, links as links (recipes -> fisher_select/recipes), as the run tool
+git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+  if [ -e "$f" ] || [ -L "$f" ]; then printf '%s\0' "$f"; fi; done | tar --null -T - -cf - | tar -xf - -C "$MACHINE/repo"
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 OFFLINE=()
 if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then OFFLINE=(unshare -n); fi
