@@ -28,8 +28,9 @@
 #        bash bench/gpu_check.sh --stage     the first of the two calls: keep the carried first half
 #   --cpu-smoke  the same steps and code paths with tiny sizes on the CPU (bench/gpu_simulate.sh runs it)
 #   --dry-run    print the steps (name, expected, timeout, command), run nothing
-# Environment: TIMEOUT_SCALE (multiplies every timeout; default 1, 10 with --cpu-smoke), PYTHON (default python3), GPU_CHECK_WORK (default /tmp/fisher-select-gpu: the staged half,
-# the wheels' target, the reassembled GGUF and the converted model, outside the repo).
+# Environment: PYTHON (default python3); TIMEOUT_SCALE (multiplies every timeout; default 1, 10 with
+# --cpu-smoke); GPU_CHECK_WORK (default /tmp/fisher-select-gpu: the staged half, the wheels' target, the
+# reassembled GGUF and the converted model, outside the repo).
 set -uo pipefail  # no -e: a failed step is a result; the script goes on to the next
 cd "$(dirname "$0")/.."
 
