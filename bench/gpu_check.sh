@@ -136,5 +136,6 @@ for line in "${STEPS[@]}"; do
   echo "= $name: $status in ${wall}s" | tee -a "$LOG"
 done
 tee -a "$LOG" < "$OUT/steps.tsv"
+timeout 20 "$PY" bench/gpu_steps.py summary "$OUT" 2>&1 | tee -a "$LOG"  # one line per figure, into log.txt
 echo "$failed step(s) not ok; results in $OUT ($(ls "$OUT" | wc -l) files)" | tee -a "$LOG"
 exit $((failed > 0))

@@ -9,6 +9,7 @@ so a step cut off by its timeout still leaves what it measured.
     python bench/gpu_steps.py big --out gpu-check/big.json [--smoke]
     python bench/gpu_steps.py table|sampling|sparse --out FILE [--smoke] [--gguf FILE]
     python bench/gpu_steps.py demo --out FILE --gguf FILE [--smoke]
+    python bench/gpu_steps.py summary DIR        # the returned files, one line per figure
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def sizes(smoke: bool) -> dict:
                 table=[("bfloat16", 8), ("bfloat16", 16), ("float32", 8), ("float32", 16)], table_len=(128, 64),
                 sweep=["32", "64", "128", "256", "512"], sweep_prompt="64",
                 sparse=["--shape", "llama3-8b", "--dtype", "bfloat16", "--batch", "4", "--seq-len", "512"],
-                sampling=["--batch", "32", "--k", "8", "--batches", "2", "--max-new-tokens", "128"], demo=[])
+                sampling=["--batch", "32", "--k", "8", "--batches", "1", "--max-new-tokens", "64", "--rounds", "2"],
+                demo=[])
 
 
 def engine_args(s: dict, model: str, **kw) -> argparse.Namespace:
@@ -109,6 +111,8 @@ def one_big_table(model, s: dict, name: str, prompt: int, response: int, modes: 
     """bench_engine's table (interleaved rounds, memory probe) for one model, with calibrate's estimate."""
     import bench_engine
 
+    model.zero_grad(set_to_none=True)  # the previous table's floor .grad: 16 GB on the 8B shape
+    free_memory(s["device"])
     args = engine_args(s, name, batch=s["batch"], length=prompt + response, response=response,
                        max_batch_tokens=budget)
     batch = bench_engine.make_batch(model.config.vocab_size, s["batch"], prompt + response, response, s["device"])
@@ -224,11 +228,53 @@ def step_demo(opts) -> None:
     print(json.dumps(out, indent=1))
 
 
+def summary(folder: str) -> list[str]:
+    """One line per measured figure, from whatever JSON files a (possibly cut-off) run returned."""
+    def load(name):
+        path = os.path.join(folder, name)
+        return json.load(open(path)) if os.path.exists(path) else None
+
+    def ratios(table):
+        return ", ".join(f"{m} {r['vs_floor']:.2f}x ({r['transient_mib']:.0f} MiB peak)" if r["vs_floor"] else
+                         f"{m} {r['error'] or '-'}" for m, r in table["modes"].items())
+
+    lines = []
+    env = load("env.json") or {}
+    lines.append(f"# {env.get('gpu') or 'cpu'}, torch {env.get('packages', {}).get('torch')}, {env.get('date_utc')}")
+    for name, entry in (load("big.json") or {}).items():
+        for part in ("table", "long"):
+            if isinstance(entry, dict) and part in entry:
+                t = entry[part]
+                m = t["meta"]
+                lines.append(f"{name} {part} ({m['batch']} x {m['length']}, budget {t['budget_tokens']}): {ratios(t)}; "
+                             f"estimate: scoring {t['estimate_whole_batch']['scoring_mib']:.0f} MiB whole batch, "
+                             f"{t['estimate_budget']['scoring_mib']:.0f} MiB in budget; "
+                             f"{len(entry['fallback'])} fallback parameters")
+    table = load("table.json") or {}
+    for key, t in (table.get("tables") or {}).items():
+        lines.append(f"default shape {key}: {ratios(t)}; {t.get('acceptance') or ''}")
+    for t in ((table.get("sweep_length") or {}).get("tables") or []):
+        lines.append(f"length {t['value']}: {ratios(t)}")
+    for r in (load("sparse.json") or {}).get("rows", []):
+        lines.append(f"sparse {r['mode']} {r['density']}: " + (r.get("error") or
+                     f"step {r['step_s'] * 1e3:.0f} ms, peak {(r['cuda_peak'] or r['peak_rss']) / 2**30:.2f} GiB"))
+    for m, r in ((load("sampling.json") or {}).get("modes") or {}).items():
+        lines.append(f"sampling {m}: {r['median_tokens_per_s']:.0f} tokens/s, {r['vs_hf_generate']:.2f}x hf_generate")
+    demo = load("demo.json")
+    if demo:
+        lines.append(f"demo: {demo['timings'].get('wall_s')} s wall (CPU {demo['cpu']['wall_s']} s): "
+                     + ", ".join(f"{k} {v:.1f} s" for k, v in demo["timings"].get("phases_s", {}).items()))
+    return lines
+
+
 STEPS = {"env": step_env, "big": step_big, "table": step_table, "sampling": step_sampling, "sparse": step_sparse,
          "demo": step_demo}
 
 
 def main(argv=None) -> None:
+    if argv is None and sys.argv[1:2] == ["summary"] or argv and argv[0] == "summary":
+        print("\n".join(summary((argv or sys.argv[1:])[1])))  # python bench/gpu_steps.py summary DIR
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("step", choices=list(STEPS))
     ap.add_argument("--out", required=True, help="the step's JSON file")
