@@ -7,8 +7,9 @@
 #
 # Steps (name, expected seconds on the H200 (estimates: no GPU run yet), timeout seconds), each written
 # to $OUT as soon as it ends, so a run cut off still returns what it measured:
-#   prepare    10  30  install the carried wheels; reassemble the GGUF from its two halves, check sha256
-#   env         5  20  versions, GPU, which packages are there (env.json)
+#   prepare    10  25  install the carried wheels; reassemble the GGUF from its two halves, check sha256
+#   env        10  30  versions, GPU, which packages are there; score_sums on cuda against the CPU's
+#                      on one fp32 batch (a random 8-layer Llama of width 256), worst relative error (env.json)
 #   big        90 140  engine overhead and peak memory, random bf16 models of real shapes: Llama-3-8B at
 #                      4 x 512 (floor, squares alone, token budget) and 2k-token responses through the
 #                      token budget; Qwen3-30B-A3B with 8 layers, fallback parameters named (big.json)
@@ -20,7 +21,7 @@
 #                      here: ~20 s of it) (sampling.json)
 #   demo       30  60  make demo's calibration on the real weights, report.json timings per phase
 #                      against the CPU's figure (demo.json)
-# Timeouts add up to 470 s (under 8 minutes). $OUT holds 8 files: log.txt, steps.tsv (one line per step:
+# Timeouts add up to 475 s (under 8 minutes). $OUT holds 8 files: log.txt, steps.tsv (one line per step:
 # expected, timeout, wall seconds, status), env.json, big.json, table.json, sparse.json, sampling.json,
 # demo.json. A step that fails or times out is recorded and the next one runs.
 #
@@ -97,8 +98,8 @@ fi
 SM="" SCALE=${TIMEOUT_SCALE:-1}
 [ "$SMOKE" = 1 ] && SM="--smoke" SCALE=${TIMEOUT_SCALE:-10}  # a shared CPU running the real 135M model, not the H200
 STEPS=(  # name expected timeout command...
-  "prepare 10 30 bash bench/gpu_check.sh --prepare ${SM:+--cpu-smoke}"
-  "env 5 20 $PY bench/gpu_steps.py env --out $OUT/env.json"
+  "prepare 10 25 bash bench/gpu_check.sh --prepare ${SM:+--cpu-smoke}"
+  "env 10 30 $PY bench/gpu_steps.py env --out $OUT/env.json"
   "big 90 140 $PY bench/gpu_steps.py big $SM --out $OUT/big.json"
   "table 45 90 $PY bench/gpu_steps.py table $SM --out $OUT/table.json"
   "sparse 40 70 $PY bench/gpu_steps.py sparse $SM --out $OUT/sparse.json"

@@ -90,7 +90,28 @@ def step_env(opts) -> None:
             "fisher_select": importlib.import_module("fisher_select").__file__,
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     save(opts.out, info)
+    info["cuda_vs_cpu"] = device_vs_cpu("cuda" if cuda else "cpu", "tiny-smollm2" if opts.smoke else "tiny")
+    save(opts.out, info)
     print(json.dumps(info, indent=1))
+
+
+def device_vs_cpu(device: str, name: str) -> dict:
+    """score_sums on the device against the CPU on the same fp32 batch, one row left padded as calibrate
+    scores them: the worst relative error of every sum (the device's kernels against the reference's)."""
+    import bench_engine
+    from fisher_select.engine.scoring import score_sums
+
+    model = bench_engine.build_model(name, "cpu", torch.float32)
+    batch = bench_engine.make_batch(model.config.vocab_size, 4, 64, 32, "cpu")
+    batch.mask[1, :5] = 0
+    batch.resp[1, :5] = False
+    want = score_sums(model, batch.ids, batch.mask, batch.resp, batch.signal)
+    model = model.to(device)
+    got = score_sums(model, *(t.to(device) for t in (batch.ids, batch.mask, batch.resp, batch.signal)))
+    worst = {kind: max(float((getattr(got, kind)[n].cpu() - w).abs().max() / w.abs().max().clamp_min(1e-30))
+                       for n, w in getattr(want, kind).items()) for kind in ("squares", "signal", "total")}
+    return {"device": device, "model": name, "batch": "4 x 64 (32 response), one row left padded", "dtype": "float32",
+            "max_relative_error": worst}
 
 
 def memory_estimate(model, batch_rows: int, tokens: int, max_tokens: int | None) -> dict:
@@ -240,7 +261,8 @@ def summary(folder: str) -> list[str]:
 
     lines = []
     env = load("env.json") or {}
-    lines.append(f"# {env.get('gpu') or 'cpu'}, torch {env.get('packages', {}).get('torch')}, {env.get('date_utc')}")
+    lines.append(f"# {env.get('gpu') or 'cpu'}, torch {env.get('packages', {}).get('torch')}, {env.get('date_utc')}; "
+                 f"score_sums vs cpu: {(env.get('cuda_vs_cpu') or {}).get('max_relative_error')}")
     for name, entry in (load("big.json") or {}).items():
         for part in ("table", "long"):
             if isinstance(entry, dict) and part in entry:
