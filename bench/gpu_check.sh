@@ -11,8 +11,8 @@
 #   env        10  30  versions, GPU, which packages are there; score_sums on cuda against the CPU's
 #                      on one fp32 batch (a random 8-layer Llama of width 256), worst relative error (env.json)
 #   big        90 140  engine overhead and peak memory, random bf16 models of real shapes: Llama-3-8B at
-#                      4 x 512 (floor, squares alone, token budget) and 2k-token responses through the
-#                      token budget; Qwen3-30B-A3B with 8 layers, fallback parameters named (big.json)
+#                      4 x 512 (floor, squares alone) and 2 rows of 2k-token responses through the token
+#                      budget; Qwen3-30B-A3B with 8 layers, fallback parameters named (big.json)
 #   table      45  90  the engine table on the embedded default's shape, bf16 and fp32 x batch 8 and 16,
 #                      and the length sweep 32..512 (table.json)
 #   sparse     40  70  one AdamW step at 1% (sparse deltas) against full fine-tuning on the 8B shape,

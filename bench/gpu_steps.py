@@ -50,13 +50,13 @@ def sizes(smoke: bool) -> dict:
     """Every size the steps use: the real ones (cuda, bf16) or --smoke's tiny ones (cpu, fp32)."""
     if smoke:
         return dict(device="cpu", dtype="float32", rounds=1, big=["tiny-llama", "tiny-moe"], batch=2, length=32,
-                    response=16, long_prompt=8, long_response=48, long_budget=64, default="tiny-smollm2",
+                    response=16, long_batch=2, long_prompt=8, long_response=48, long_budget=64, default="tiny-smollm2",
                     table=[("float32", 2)], table_len=(24, 8), sweep=["8", "16"], sweep_prompt="8",
                     sparse=["--shape", "tiny-llama", "--dtype", "float32", "--batch", "2", "--seq-len", "16"],
                     sampling=["--batch", "4", "--k", "2", "--batches", "1", "--max-new-tokens", "4"],
                     demo=["--num-prompts", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4"])
     return dict(device="cuda", dtype="bfloat16", rounds=3, big=["llama3-8b", "qwen3-moe"], batch=4, length=512,
-                response=256, long_prompt=64, long_response=2048, long_budget=0, default="smollm2-135m",
+                response=256, long_batch=2, long_prompt=64, long_response=2048, long_budget=0, default="smollm2-135m",
                 table=[("bfloat16", 8), ("bfloat16", 16), ("float32", 8), ("float32", 16)], table_len=(128, 64),
                 sweep=["32", "64", "128", "256", "512"], sweep_prompt="64",
                 sparse=["--shape", "llama3-8b", "--dtype", "bfloat16", "--batch", "4", "--seq-len", "512"],
@@ -128,21 +128,21 @@ def memory_estimate(model, batch_rows: int, tokens: int, max_tokens: int | None)
             "scoring_mib": est.scoring / mib, "sampling_mib": est.sampling / mib, "detail": est.detail}
 
 
-def one_big_table(model, s: dict, name: str, prompt: int, response: int, modes: list[str], budget: int) -> dict:
+def one_big_table(model, s: dict, name: str, rows: int, prompt: int, response: int, modes: list[str],
+                  budget: int) -> dict:
     """bench_engine's table (interleaved rounds, memory probe) for one model, with calibrate's estimate."""
     import bench_engine
 
     model.zero_grad(set_to_none=True)  # the previous table's floor .grad: 16 GB on the 8B shape
     free_memory(s["device"])
-    args = engine_args(s, name, batch=s["batch"], length=prompt + response, response=response,
-                       max_batch_tokens=budget)
-    batch = bench_engine.make_batch(model.config.vocab_size, s["batch"], prompt + response, response, s["device"])
+    args = engine_args(s, name, batch=rows, length=prompt + response, response=response, max_batch_tokens=budget)
+    batch = bench_engine.make_batch(model.config.vocab_size, rows, prompt + response, response, s["device"])
     table = bench_engine.as_json(bench_engine.describe(model, batch, args),
                                  bench_engine.run_table(model, batch, args, modes))
     bench_engine.print_table(table)
     auto = bench_engine.auto_max_tokens(model)
-    table["estimate_whole_batch"] = memory_estimate(model, s["batch"], prompt + response, None)
-    table["estimate_budget"] = memory_estimate(model, s["batch"], prompt + response, budget or auto)
+    table["estimate_whole_batch"] = memory_estimate(model, rows, prompt + response, None)
+    table["estimate_budget"] = memory_estimate(model, rows, prompt + response, budget or auto)
     table["budget_tokens"] = budget or auto
     if s["device"] == "cuda":
         table["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
@@ -156,7 +156,8 @@ def step_big(opts) -> None:
     from fisher_select.engine.scoring import plan_coverage
 
     s = sizes(opts.smoke)
-    out = {"sizes": {k: s[k] for k in ("device", "dtype", "batch", "length", "response", "long_response")}}
+    out = {"sizes": {k: s[k] for k in ("device", "dtype", "batch", "length", "response", "long_batch",
+                                        "long_response")}}
     for name in s["big"]:
         t0 = time.perf_counter()
         model = bench_engine.build_model(name, s["device"], getattr(torch, s["dtype"]))
@@ -165,12 +166,13 @@ def step_big(opts) -> None:
                              "fallback": sorted(cov.fallback),
                              "fallback_parameters": sum(p.numel() for p in cov.fallback.values())}
         print(f"{name}: {entry['parameters'] / 1e9:.3f} B parameters, {len(entry['fallback'])} on the fallback")
-        entry["table"] = one_big_table(model, s, name, s["length"] - s["response"], s["response"],
-                                       ["floor", "squares", "budget"], 0)
+        # accumulators=fisher (squares alone): 4 bytes per parameter, what fits beside 8B bf16 weights and .grad
+        entry["table"] = one_big_table(model, s, name, s["batch"], s["length"] - s["response"], s["response"],
+                                       ["floor", "squares"], 0)
         save(opts.out, out)
         if name == s["big"][0]:  # long responses: the token budget splits each row's pass
-            entry["long"] = one_big_table(model, s, name, s["long_prompt"], s["long_response"], ["budget", "floor"],
-                                          s["long_budget"])
+            entry["long"] = one_big_table(model, s, name, s["long_batch"], s["long_prompt"], s["long_response"],
+                                          ["budget", "floor"], s["long_budget"])
             save(opts.out, out)
         del model, cov
         free_memory(s["device"])
