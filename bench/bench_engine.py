@@ -57,6 +57,10 @@ from torch import nn
 from fisher_select.engine.logprob import position_ids_from_mask, response_logprobs
 from fisher_select.engine.scoring import plan_coverage, score_sums
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/shapes.py, run as a script or imported
+from shapes import SHAPES  # noqa: E402
+from shapes import build as build_shape  # noqa: E402
+
 try:  # older trees (bench comparisons across versions) have neither
     from fisher_select.engine.batching import auto_max_tokens, score_in_budget
 except ImportError:
@@ -92,7 +96,10 @@ def first_line(exc: BaseException) -> str:
 
 
 def build_model(name: str, device: str, dtype: torch.dtype) -> nn.Module:
-    """The embedded default, or a random Llama of a named width (8 layers, SmolLM2's vocabulary)."""
+    """The embedded default, a random model of a real shape (bench/shapes.py), or a random Llama of a
+    named width (8 layers, SmolLM2's vocabulary)."""
+    if name in SHAPES:
+        return build_shape(name, device, dtype)
     if name == "default":
         from fisher_select.models import load_model
 
@@ -193,7 +200,8 @@ class Budget(Scoring):
     def __init__(self, model, batch, args):
         if score_in_budget is None:
             raise Unavailable("this version has no token-budget micro-batches")
-        super().__init__(model, batch, args)
+        # --budget-squares: accumulators=fisher (squares alone), what fits beside a large model's weights
+        super().__init__(model, batch, args, squares_only=getattr(args, "budget_squares", False))
         self.budget = args.max_batch_tokens or auto_max_tokens(model)
         rows = max(1, min(batch.size, self.budget // batch.ids.shape[1]))
         self.note = f"budget {self.budget} tokens: {rows} rows per micro-batch"
@@ -710,8 +718,9 @@ def merged_sweep(earlier: dict, fresh: dict, order: list) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", choices=["default", *WIDTHS],
-                    help="default: the embedded SmolLM2-135M-Instruct; tiny/small/medium: random 8-layer Llamas")
+    ap.add_argument("--model", default="default", choices=["default", *WIDTHS, *SHAPES],
+                    help="default: the embedded SmolLM2-135M-Instruct; tiny/small/medium: random 8-layer Llamas; "
+                         "the others: random models of real shapes (bench/shapes.py)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=128, help="tokens per row")
     ap.add_argument("--response", type=int, default=64, help="response tokens per row (the last ones)")
@@ -726,6 +735,8 @@ def parse_args(argv=None):
                     help="skip peers whose batch x parameters fp32 per-sample gradients exceed this")
     ap.add_argument("--max-batch-tokens", type=int, default=0,
                     help="the budget mode's rows x length per micro-batch (0: auto, what calibrate uses)")
+    ap.add_argument("--budget-squares", action="store_true",
+                    help="the budget mode keeps squares alone (accumulators=fisher), as scoring's squares mode")
     ap.add_argument("--vmap-chunk", type=int, default=2,
                     help="samples per vmap(grad) call (0: the whole batch; memory grows with it)")
     ap.add_argument("--sweep", choices=list(SWEEPS))

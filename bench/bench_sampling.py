@@ -54,7 +54,7 @@ def response_length(row: list[int], eos: set[int]) -> int:
 
 
 def run_fisher_select(model, rows, eos, pad, args, seed, **kw) -> int:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=model.device).manual_seed(seed)  # on the model's device, as calibrate draws
     drawn = sample_responses(model, rows, eos_ids=eos, pad_id=pad, max_new_tokens=args.max_new_tokens,
                              generator=g, **kw)
     return sum(len(s.response_ids) for s in drawn)
@@ -62,7 +62,7 @@ def run_fisher_select(model, rows, eos, pad, args, seed, **kw) -> int:
 
 def run_hf(model, rows, eos, pad, args, seed) -> int:
     torch.manual_seed(seed)
-    ids, mask = left_pad(rows, pad, "cpu")  # (B, P)
+    ids, mask = left_pad(rows, pad, model.device)  # (B, P)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
                              typical_p=1.0, repetition_penalty=1.0, max_new_tokens=args.max_new_tokens,
@@ -79,11 +79,14 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--same-length", action="store_true", help="arithmetic prompts only (no long preambles)")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a --model spec: the embedded default, a .gguf file or a model directory")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, _ = load_model("smollm2-135m-instruct", device="cpu")
+    model, tok, _ = load_model(args.model, device=args.device)
     model.eval()
     eos = {tok.eos_token_id} | ({model.generation_config.eos_token_id} if isinstance(
         model.generation_config.eos_token_id, int) else set(model.generation_config.eos_token_id or []))
@@ -108,7 +111,7 @@ def main(argv=None) -> None:
                 times[name].append(dt)
                 tokens[name].append(n)
     lengths = sorted({len(x) for x in rows})
-    print(f"embedded default, {len(calls)} calls of {args.batch} rows (K={args.k}), prompt lengths {lengths}, "
+    print(f"{args.model} on {args.device}, {len(calls)} calls of {args.batch} rows (K={args.k}), prompt lengths {lengths}, "
           f"max_new_tokens {args.max_new_tokens}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds")
     print("| sampler | tokens/s (median) | min-max over rounds | sampled tokens per round | vs hf_generate |")
     print("|---|---|---|---|---|")
@@ -116,6 +119,7 @@ def main(argv=None) -> None:
     base = statistics.median(rates["hf_generate"])
     result = {"meta": {"batch": args.batch, "k": args.k, "calls": len(calls), "prompt_lengths": lengths,
                        "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+                       "model": args.model, "device": args.device,
                        "rounds": args.rounds, "torch": torch.__version__}, "modes": {}}
     for m in modes:
         med = statistics.median(rates[m])

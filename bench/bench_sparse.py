@@ -68,8 +68,13 @@ class PeakRSS:
 
 
 def random_masks(model, density: float, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {n: torch.rand(p.shape, generator=gen) < density for n, p in model.named_parameters()}
+    """Drawn on each parameter's device (an 8B model's masks drawn on the CPU would take minutes)."""
+    gens = {}
+    out = {}
+    for n, p in model.named_parameters():
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        out[n] = torch.rand(p.shape, generator=gen, device=p.device) < density
+    return out
 
 
 def setup_mode(model, mode: str, density: float | None, seed: int):
@@ -78,7 +83,7 @@ def setup_mode(model, mode: str, density: float | None, seed: int):
 
     if mode == "full":
         return [p for p in model.parameters() if p.requires_grad], None, 0
-    masks = {n: m.to(p.device) for (n, p), m in zip(model.named_parameters(), random_masks(model, density, seed).values())}
+    masks = random_masks(model, density, seed)
     if mode == "dense":
         handle = apply_masks(model, masks)
         extra = tensor_bytes(t for part in handle._partials for t in (part.keep, part.saved))
@@ -98,10 +103,24 @@ def one_step(model, params, optimizer, ids, measure: dict | None = None) -> None
 
 
 def run_mode(model, start, mode, density, args, ids) -> dict:
+    """One mode's warm-up and timed steps; out of memory is a result (``error``), not a crash."""
     with torch.no_grad():
         for p, s in zip(model.parameters(), start):
             p.copy_(s)
     params, handle, extra = setup_mode(model, mode, density, args.seed)
+    try:
+        return _timed_mode(model, params, mode, density, args, ids, extra)
+    except torch.OutOfMemoryError as exc:
+        return {"mode": mode, "density": density, "error": "out of memory: " + str(exc).splitlines()[0][:160]}
+    finally:
+        model.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.remove()
+        if ids.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _timed_mode(model, params, mode, density, args, ids, extra) -> dict:
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01)
     one_step(model, params, optimizer, ids)  # warm-up: state allocated, kernels chosen
     cuda = ids.device.type == "cuda"
@@ -120,12 +139,19 @@ def run_mode(model, start, mode, density, args, ids) -> dict:
            "gradients": measure["gradients"], "mode_extra": extra, "peak_rss": rss.peak,
            "cuda_peak": torch.cuda.max_memory_allocated() if cuda else None, "step_s": statistics.median(times)}
     del optimizer
-    if handle is not None:
-        handle.remove()
     return out
 
 
 def load(args):
+    if args.shape:  # a random model of a real shape, built on the device in bf16 (bench/shapes.py)
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from shapes import build
+
+        model = build(args.shape, args.device, getattr(torch, args.dtype))
+        return model, model.config.vocab_size
     if args.tiny:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -145,7 +171,8 @@ def measure(args) -> list[dict]:
     start = [p.detach().clone() for p in model.parameters()]
     ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
     ids = ids.to(args.device)
-    modes = [("full", None)] + [(m, d) for d in args.densities for m in ("dense", "sparse")]
+    modes = [(m, None if m == "full" else d) for d in args.densities for m in args.modes
+             if m != "full" or d == args.densities[0]]  # full once
     rows = {key: [] for key in modes}
     for _ in range(args.rounds):  # interleaved: drift of the machine hits every mode alike
         for mode, density in modes:
@@ -155,23 +182,30 @@ def measure(args) -> list[dict]:
 
 def summarize(runs: list[dict]) -> dict:
     out = dict(runs[-1])
+    if any("error" in r for r in runs):
+        return next(r for r in runs if "error" in r)
     out["step_s"] = statistics.median(r["step_s"] for r in runs)
     out["peak_rss"] = max(r["peak_rss"] for r in runs)
     return out
 
 
 def print_measured(rows: list[dict]) -> None:
-    full = rows[0]
-    full_train = full["optimizer_state"] + full["gradients"]
+    full = next((r for r in rows if r["mode"] == "full" and "error" not in r), None)
+    full_train = full["optimizer_state"] + full["gradients"] if full else None
     print("| mode | density | optimizer state | gradients | mode keeps | state+grads+kept vs full | peak RSS | "
           "CUDA peak | step time | vs full |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | {r['density'] or 1:g} | {r['error']} |" + " |" * 7)
+            continue
         kept = r["optimizer_state"] + r["gradients"] + r["mode_extra"]
+        vs_full = f"{kept / full_train:.2%}" if full else "-"
+        step_vs = f"{r['step_s'] / full['step_s']:.2f}x" if full else "-"
         cuda = f"{r['cuda_peak'] / GB:.3f} GB" if r["cuda_peak"] is not None else "-"
         print(f"| {r['mode']} | {r['density'] or 1:g} | {r['optimizer_state'] / GB:.4f} GB | {r['gradients'] / GB:.4f} GB | "
-              f"{r['mode_extra'] / GB:.4f} GB | {kept / full_train:.2%} | {r['peak_rss'] / GB:.3f} GB | {cuda} | "
-              f"{r['step_s'] * 1e3:.1f} ms | {r['step_s'] / full['step_s']:.2f}x |")
+              f"{r['mode_extra'] / GB:.4f} GB | {vs_full} | {r['peak_rss'] / GB:.3f} GB | {cuda} | "
+              f"{r['step_s'] * 1e3:.1f} ms | {step_vs} |")
 
 
 def bytes_per_parameter(mode: str, density: float) -> float:
@@ -199,10 +233,14 @@ def print_bytes_table(densities: list[float]) -> None:
           "index 4 + fp32 gradient 4 + m, v 8 + bf16 base copy 2).")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="a --model spec (default: the embedded default)")
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama instead (smoke test)")
+    p.add_argument("--shape", help="a random model of a real shape instead (bench/shapes.py: llama3-8b, ...)")
+    p.add_argument("--dtype", default="bfloat16", help="with --shape: the weights' dtype")
+    p.add_argument("--modes", nargs="+", default=["full", "dense", "sparse"], choices=["full", "dense", "sparse"],
+                   help="in this order (full once, at the first density)")
     p.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.1])
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds over the modes (interleaved)")
@@ -212,7 +250,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
     p.add_argument("--bytes-table", action="store_true", help="print the bytes-per-parameter arithmetic and exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.bytes_table:
         print_bytes_table(args.densities)
         return
