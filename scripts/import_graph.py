@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / "fisher_select"
 FLOORS = [
     ("ground", ["fisher_select.version", "fisher_select.errors", "fisher_select.atomic", "fisher_select.caveats",
                 "fisher_select.fields", "fisher_select.distributed", "fisher_select.stats", "fisher_select.timing"]),
-    ("run schema", ["fisher_select.rundir"]),
+    ("run schema", ["fisher_select.rundir", "fisher_select.run"]),
     ("engine", ["fisher_select.engine"]),
     ("model names", ["fisher_select.model_names"]),
     ("models", ["fisher_select.models"]),
@@ -24,6 +24,7 @@ FLOORS = [
     ("report and outputs", ["fisher_select.report", "fisher_select.outputs"]),
     ("run report", ["fisher_select.run_report"]),
     ("training", ["fisher_select.training"]),
+    ("studies", ["fisher_select.studies"]),
     ("pipeline", ["fisher_select.pipeline"]),
     ("interface", ["fisher_select.commands", "fisher_select.cli", "fisher_select.__main__", "fisher_select"]),
 ]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fisher_select.calibration.prompts import PromptRecord, check_disjoint, load_prompts, prompt_key
+from fisher_select.calibration.prompts import PromptRecord, check_disjoint, load_prompts, normalized_text
 from fisher_select.config import recipes_dir
 from fisher_select.errors import FisherSelectError
 
@@ -37,7 +37,7 @@ def test_shipped_files_equal_their_makers_output(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["arithmetic.jsonl", "arithmetic_chat.jsonl", "arithmetic_demos.jsonl"])
 def test_at_least_512_distinct_problems_and_no_repeat(name):
     records = load_prompts(DATA / name)
-    keys = [prompt_key(r) for r in records]
+    keys = [normalized_text(r) for r in records]
     assert len(records) >= 512
     assert len(set(keys)) == len(keys), "a prompt repeats (after folding case and spacing)"
 

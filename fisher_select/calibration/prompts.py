@@ -197,7 +197,7 @@ def check_context(model, records: list[PromptRecord], rendered: list[list[int]],
         f"to keep each prompt's last {max(0, keep)} tokens")
 
 
-def prompt_key(record: PromptRecord) -> str:
+def normalized_text(record: PromptRecord) -> str:
     """The text two prompts are compared on: every message's role and content (or the prompt), in lower
     case with runs of whitespace as one space, so a copy that differs only in spacing or case is the same."""
     if record.prompt is not None:
@@ -217,7 +217,7 @@ def check_disjoint(splits: dict[str, list[PromptRecord]]) -> None:
     clashes = []
     for split, records in splits.items():
         for r in records:
-            key = prompt_key(r)
+            key = normalized_text(r)
             if key in owner and owner[key][0] != split:
                 clashes.append(f"{split} {r.describe()} repeats {owner[key][0]} {owner[key][1].describe()}")
             owner.setdefault(key, (split, r))
