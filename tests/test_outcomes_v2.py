@@ -290,3 +290,36 @@ def test_a_protocol_1_file_is_refused_with_one_clear_error(tmp_path):
         read_outcomes(path)
     with pytest.raises(FisherSelectError, match="protocol 3"):
         read_outcomes({"protocol": 3})
+
+
+@pytest.mark.slow  # about a minute: two real calibrations and the shipped prose scored with a 49k vocabulary
+def test_bench_v2_pilot_cells_resume_and_assemble(tmp_path, small_llama_dir, capsys):
+    """bench/outcomes.py --v2 on a small Llama: each replicate calibrates its own draw, a rerun computes
+    nothing, --assemble writes the protocol 2 record and its tables from the cells alone."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_outcomes", Path(__file__).parents[1] / "bench" / "outcomes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cells = tmp_path / "cells"
+    common = ["--v2", "--kind", "sft", "--cells", str(cells), "--model", str(small_llama_dir)]
+    study = [*common, "--recipe", "sft-demonstrations", "--replicates", "2", "--train-prompts", "4",
+             "--validation-prompts", "2", "--heldout-prompts", "2", "--arms", "bound", "random", "full",
+             "--budgets", "0.01", "--steps", "1", "--grid-cap", "5", "--prompts-per-step", "2",
+             "--samples-per-prompt", "1", "--max-new-tokens", "4"]
+    assert bench.main(study) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert first["finished"] and first["computed"] > 0
+    assert (cells / "runs" / "r0" / "report.json").is_file() and (cells / "runs" / "r1" / "report.json").is_file()
+    assert bench.main(study) == 0
+    again = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert again["computed"] == 0 and again["skipped"] == first["computed"]
+    out = tmp_path / "outcomes-sft.json"
+    assert bench.main([*common, "--assemble", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    record = read_outcomes(out)
+    assert record.kind == "sft" and set(record.arms) == {"start", "bound@0.01", "random@0.01", "full"}
+    assert "| bound@0.01 |" in printed and "bound@0.01 vs random@0.01" in printed and "- trained:" in printed
+    answers = record.arms["full"]["replicates"]["0"]
+    assert len(answers["held_out_per_prompt"]) == 2 and "greedy_accuracy" in answers
