@@ -82,6 +82,7 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--cells", help="the folder of the study's cells (and its replicates' calibration runs)")
     v2.add_argument("--pilot", action="store_true", help="only the pilot replicate: choose every arm's lr")
     v2.add_argument("--assemble", action="store_true", help="build the record and tables from the cells alone")
+    v2.add_argument("--plan", action="store_true", help="print the protocol and its minimum cell count, train nothing")
     v2.add_argument("--budget-minutes", type=float, help="stop before a cell would overrun this many minutes")
     v2.add_argument("--replicates", type=int, default=6)
     v2.add_argument("--arms", nargs="+", help="default: every arm of fisher_select.studies.arms.ARMS")
@@ -183,9 +184,12 @@ def main_v2(args) -> int:
                        overwrite=True)
         print("\n".join(record_markdown(record)))
         return 0
+    protocol = protocol_of(args)
+    if args.plan:
+        print(json.dumps({"protocol": protocol.as_dict(), "minimum_cells": protocol.minimum_cells()}))
+        return 0
     if not args.recipe:
         raise FisherSelectError("--v2 calibrates each replicate from --recipe NAME; give it (or --assemble)")
-    protocol = protocol_of(args)
     done = run_study(protocol, args.cells, replicate_loader(args, protocol), budget_minutes=args.budget_minutes,
                      pilot_only=args.pilot, progress=args.progress)
     print(json.dumps({k: v for k, v in done.items() if k != "lr_choices"}))

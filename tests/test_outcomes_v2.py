@@ -323,3 +323,16 @@ def test_bench_v2_pilot_cells_resume_and_assemble(tmp_path, small_llama_dir, cap
     assert "| bound@0.01 |" in printed and "bound@0.01 vs random@0.01" in printed and "- trained:" in printed
     answers = record.arms["full"]["replicates"]["0"]
     assert len(answers["held_out_per_prompt"]) == 2 and "greedy_accuracy" in answers
+
+
+@pytest.mark.parametrize("kind", ["sft", "rl", "opd-pg"])
+def test_start_grids_have_four_points_spaced_by_sqrt_10_and_reach_1_for_small_masks(kind):
+    protocol = ProtocolV2(kind)
+    for arm, budget in protocol.cells():
+        grid = protocol.start_grid(arm, budget)
+        assert len(grid) >= 4 and all(b / a == pytest.approx(STEP) for a, b in zip(grid, grid[1:]))
+        if budget is not None and budget <= 1e-4:
+            assert max(grid) == pytest.approx(1.0)
+    plan = protocol.minimum_cells()
+    assert plan["pilot"] == sum(len(protocol.start_grid(a, b)) for a, b in protocol.cells())
+    assert plan["held_out"] == 6 * (len(protocol.cells()) + 1) and plan["calibrations"] == 6

@@ -84,6 +84,13 @@ class ProtocolV2:
         return [(a, b) for a in self.arms if a in MASK_ARMS for b in self.budgets] + [
             (a, None) for a in self.arms if a not in MASK_ARMS]
 
+    def minimum_cells(self) -> dict:
+        """Cells the study needs when no grid is extended: pilot (every starting grid point on replicate 0)
+        and held-out (every arm and the untrained model on every replicate)."""
+        pilot = sum(len(self.start_grid(a, b)) for a, b in self.cells())
+        held = self.replicates * (len(self.cells()) + 1)
+        return {"pilot": pilot, "held_out": held, "total": pilot + held, "calibrations": self.replicates}
+
     def start_grid(self, arm: str, budget: float | None) -> list[float]:
         """The grid a pilot starts from (extended later while its choice is on an edge)."""
         if arm == "full":
