@@ -168,6 +168,7 @@ def replicate_loader(args, protocol):
 
 
 def main_v2(args) -> int:
+    from fisher_select.atomic import write_file
     from fisher_select.run.outcomes import read_outcomes
     from fisher_select.studies.assemble import assemble
     from fisher_select.studies.study import run_study
@@ -176,12 +177,14 @@ def main_v2(args) -> int:
     if not args.cells or not args.kind:
         raise FisherSelectError("--v2 needs --cells DIR and --kind")
     if args.assemble:
-        record = read_outcomes(assemble(args.cells))
+        record = read_outcomes(assemble(args.cells, args.kind))
         if args.json:
-            from fisher_select.atomic import write_file
-
             write_file(Path(args.json), lambda tmp: tmp.write_text(json.dumps(record.as_dict(), indent=1) + "\n"),
                        overwrite=True)
+        if args.plot:
+            from fisher_select.studies.plots import gain_vs_forgetting
+
+            write_file(Path(args.plot), lambda tmp: gain_vs_forgetting(tmp, record), overwrite=True)
         print("\n".join(record_markdown(record)))
         return 0
     protocol = protocol_of(args)

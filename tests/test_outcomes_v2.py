@@ -28,7 +28,9 @@ from fisher_select.studies.cells import CellCache, CellKey, Clock, read_cells
 from fisher_select.studies.grid import STEP, choose_lr, lr_grid
 from fisher_select.studies.paired import paired, trained
 from fisher_select.studies.protocol import ProtocolV2, draw
+from fisher_select.studies.plots import gain_vs_forgetting
 from fisher_select.studies.study import run_study
+from fisher_select.studies.tables import record_markdown
 from fisher_select.training.loop import TrainConfig, make_task, train
 from fisher_select.calibration.objectives.base import Context
 from tests.runs import make_run
@@ -62,6 +64,10 @@ def test_a_resume_skips_finished_cells_and_a_changed_protocol_redoes_them(tmp_pa
     assert not [p for p in (tmp_path / "cells").iterdir() if p.name.startswith(".")]  # no temporaries left
     cells = read_cells(tmp_path / "cells")
     assert len(cells) == 5 and {c["context"]["protocol"] for c in cells} == {"p1", "p2"}
+    with pytest.raises(FisherSelectError, match="cells of 2 different protocol settings .* move the cells"):
+        assemble(tmp_path / "cells")  # old and new protocols are never mixed into one table
+    with pytest.raises(FisherSelectError, match="no finished cell of kind rl"):
+        assemble(tmp_path / "cells", kind="rl")
 
 
 def test_a_cell_file_edited_by_hand_is_not_trusted(tmp_path):
@@ -267,6 +273,15 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert record.paired["recovered"]["bound@0.05 vs random@0.05"]["n"] == 2
     assert set(record.on_edge()) <= set(record.lr_choices)
     assert len(record.lr_choices["full"]["grid"]) >= 4
+    verdict = record.verdicts["0.05"]
+    assert verdict["best_peer"] in ("random", "random_tensor_counts") and verdict["n"] == 2
+    lo, hi = verdict["interval"]
+    assert verdict["verdict"] == ("wins" if lo > 0 else "loses" if hi < 0 else "ties")
+    assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None
+    table = "\n".join(record_markdown(record))
+    assert "| bound@0.05 |" in table and "bound@0.05 vs random@0.05" in table and "- trained:" in table
+    gain_vs_forgetting(tmp_path / "gain.png", record)
+    assert (tmp_path / "gain.png").stat().st_size > 0
 
 
 def test_replicates_draw_disjoint_splits_of_their_own():
@@ -316,13 +331,14 @@ def test_bench_v2_pilot_cells_resume_and_assemble(tmp_path, small_llama_dir, cap
     again = json.loads(capsys.readouterr().out.splitlines()[0])
     assert again["computed"] == 0 and again["skipped"] == first["computed"]
     out = tmp_path / "outcomes-sft.json"
-    assert bench.main([*common, "--assemble", "--json", str(out)]) == 0
+    assert bench.main([*common, "--assemble", "--json", str(out), "--plot", str(tmp_path / "gain.png")]) == 0
     printed = capsys.readouterr().out
     record = read_outcomes(out)
     assert record.kind == "sft" and set(record.arms) == {"start", "bound@0.01", "random@0.01", "full"}
     assert "| bound@0.01 |" in printed and "bound@0.01 vs random@0.01" in printed and "- trained:" in printed
     answers = record.arms["full"]["replicates"]["0"]
     assert len(answers["held_out_per_prompt"]) == 2 and "greedy_accuracy" in answers
+    assert (tmp_path / "gain.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("kind", ["sft", "rl", "opd-pg"])

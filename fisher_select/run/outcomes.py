@@ -16,7 +16,7 @@ from fisher_select.errors import FisherSelectError
 
 OUTCOMES_PROTOCOL = 2
 FIELDS = ("kind", "settings", "cells", "higher_is_better", "lr_choices", "arms", "trained", "noise_floor",
-          "discriminates", "paired", "lr_advice")
+          "discriminates", "paired", "lr_advice", "verdicts", "training_rows")
 
 
 @dataclass
@@ -35,6 +35,8 @@ class OutcomesRecord:
     discriminates: dict
     paired: dict  # "recovered" / "forgetting" -> "bound@b vs peer" -> {mean_difference, interval, t_p, wilcoxon_p}
     lr_advice: dict
+    verdicts: dict  # budget -> {best_peer, verdict: wins / ties / loses, mean_difference, interval, n}
+    training_rows: dict  # {signal_share, finished_share} over full fine-tuning's training batches
     protocol: int = OUTCOMES_PROTOCOL
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept when read
 

@@ -18,7 +18,8 @@ import numpy as np
 from fisher_select.run.outcomes import OUTCOMES_PROTOCOL
 from fisher_select.studies.arms import MASK_ARMS, arm_name
 from fisher_select.studies.cell_run import START
-from fisher_select.studies.cells import read_cells
+from fisher_select.errors import FisherSelectError
+from fisher_select.studies.cells import canonical, read_cells
 from fisher_select.studies.grid import best
 from fisher_select.studies.paired import paired, trained
 
@@ -118,11 +119,30 @@ def _lr_advice(per: dict, choices: dict) -> dict:
     return out
 
 
-def assemble(folder, resamples: int = 10_000) -> dict:
-    """The study's record (``run.outcomes``, protocol v2) from the cells under ``folder``."""
-    cells = read_cells(folder)
+def study_cells(folder, kind: str | None = None) -> list[dict]:
+    """The sound cells of one kind under ``folder``, all of one protocol (else one error: cells of an older
+    protocol stay on disk after a change and must not be mixed into the new tables)."""
+    cells = [c for c in read_cells(folder) if kind is None or c["key"]["kind"] == kind]
     if not cells:
-        return {"protocol": OUTCOMES_PROTOCOL, "cells": 0, "arms": {}}
+        raise FisherSelectError(f"no finished cell{'' if kind is None else ' of kind ' + kind} under {folder}; "
+                                "run the study first (docs/OUTCOMES.md)")
+    kinds = {c["key"]["kind"] for c in cells}
+    if len(kinds) > 1:
+        raise FisherSelectError(f"{folder} holds cells of several kinds ({', '.join(sorted(kinds))}); pass --kind")
+    groups: dict[str, int] = {}
+    for c in cells:
+        digest = canonical(c["context"]["protocol"])
+        groups[digest] = groups.get(digest, 0) + 1
+    if len(groups) > 1:
+        raise FisherSelectError(f"{folder} holds cells of {len(groups)} different protocol settings "
+                                f"({', '.join(str(n) for n in groups.values())} cells); move the cells of the old "
+                                "settings to another folder, then assemble again")
+    return cells
+
+
+def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
+    """The study's record (``run.outcomes``, protocol v2) from the cells under ``folder``."""
+    cells = study_cells(folder, kind)
     protocol = cells[0]["context"]["protocol"]
     higher = bool(cells[0]["result"]["higher_is_better"])
     sign = 1.0 if higher else -1.0
@@ -136,7 +156,40 @@ def assemble(folder, resamples: int = 10_000) -> dict:
             "noise_floor": _noise_floor(cells), "discriminates": _discriminates(per),
             "paired": {"recovered": _paired_table(per, protocol["budgets"], "recovered", resamples),
                        "forgetting": _paired_table(per, protocol["budgets"], "forgetting", resamples)},
-            "lr_advice": _lr_advice(per, choices)}
+            "lr_advice": _lr_advice(per, choices), "verdicts": _verdicts(per, protocol["budgets"], resamples),
+            "training_rows": _shares(cells)}
+
+
+def _verdicts(per: dict, budgets: list, resamples: int) -> dict:
+    """Per budget: the bound against the peer mask with the best mean recovered share, in one word:
+    wins / loses when the 95% interval of the paired difference excludes 0, else ties."""
+    out = {}
+    for b in budgets:
+        peers = {arm: _summary(per.get(arm_name(arm, b), {})).get("recovered") for arm in MASK_ARMS[1:]}
+        peers = {a: s for a, s in peers.items() if s}
+        if not peers or arm_name("bound", b) not in per:
+            continue
+        best_peer = max(peers, key=lambda a: peers[a]["mean"])
+        stats = _paired_table(per, [b], "recovered", resamples).get(f"bound@{b:g} vs {arm_name(best_peer, b)}")
+        if stats is None or stats["interval"] is None:
+            continue
+        lo, hi = stats["interval"]
+        word = "wins" if lo > 0 else "loses" if hi < 0 else "ties"
+        out[f"{b:g}"] = {"best_peer": best_peer, "verdict": word, **{k: stats[k] for k in ("mean_difference",
+                                                                                           "interval", "n")}}
+    return out
+
+
+def _shares(cells: list[dict]) -> dict:
+    """Over full fine-tuning's held-out training runs: rows with a training signal, responses that finished."""
+    logs = [e for c in cells if c["key"]["arm"] == "full" and c["key"]["stage"] == "held_out"
+            for e in c["result"]["log"]]
+    rows = sum(e["rows"] for e in logs)
+    finished = [e["finished"] for e in logs if e.get("finished") is not None]
+    return {"signal_share": sum(e["rows_with_signal"] for e in logs) / rows if rows else None,
+            "finished_share": sum(finished) / rows if finished and rows else None,
+            "meaning": "rows with a nonzero training signal and sampled responses that ended before max_new_tokens, "
+                       "over full fine-tuning's training batches (finished: None for SFT, nothing sampled)"}
 
 
 def _summary(reps: dict) -> dict:

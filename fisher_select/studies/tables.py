@@ -45,6 +45,15 @@ def verdict_lines(record: OutcomesRecord) -> list[str]:
     if record.noise_floor:
         out.append(f"- evaluation noise floor: {record.noise_floor['mean_abs_difference']:.4g} (the untrained model "
                    "evaluated with two sampling seeds, mean |difference| over replicates)")
+    for budget, v in record.verdicts.items():
+        out.append(f"- at {float(budget):.4%} the bound {v['verdict']} against the best peer, {v['best_peer']} "
+                   f"(mean difference {v['mean_difference']:+.3f}, 95% interval [{v['interval'][0]:.3f}, "
+                   f"{v['interval'][1]:.3f}], {v['n']} replicates)")
+    rows = record.training_rows
+    if rows.get("signal_share") is not None:
+        finished = rows.get("finished_share")
+        out.append(f"- training rows with signal: {rows['signal_share']:.0%}"
+                   + ("" if finished is None else f"; responses finished: {finished:.0%}"))
     edge = record.on_edge()
     out.append("- lr on a grid edge (*): " + (", ".join(edge) if edge else "none"))
     return out
