@@ -352,3 +352,34 @@ def test_start_grids_have_four_points_spaced_by_sqrt_10_and_reach_1_for_small_ma
     plan = protocol.minimum_cells()
     assert plan["pilot"] == sum(len(protocol.start_grid(a, b)) for a, b in protocol.cells())
     assert plan["held_out"] == 6 * (len(protocol.cells()) + 1) and plan["calibrations"] == 6
+
+
+def _brute_greedy(model, ids, steps, eos):
+    """Greedy continuation by one full forward per token (fp64 argmax of the last position)."""
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1].double()
+        t = int(logits.argmax())
+        if t == eos:
+            break
+        out.append(t)
+    return out
+
+
+def test_answer_nll_and_greedy_correct_against_per_token_loops():
+    model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+    records = [PromptRecord(i, f"{3 + i} {7 + 2 * i} {11 + i}", None, {"answer": 20 + i}) for i in range(5)]
+    got = measures.answer_nll(model, tok, records, micro=2)  # micro-batches of unequal prompt lengths
+    for r, nll in zip(records, got):
+        ids = tok(r.prompt)["input_ids"] + [int(r.fields["answer"])]  # the answer is one token here
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, -1].double(), -1)
+        assert nll == pytest.approx(-float(logp[ids[-1]]), rel=1e-5)
+    greedy = [_brute_greedy(model, tok(r.prompt)["input_ids"], 4, tok.eos_token_id) for r in records]
+    assert sum(len(g) for g in greedy) > 5  # answers of several tokens: the batched loop is really compared
+    answers = [PromptRecord(r.index, r.prompt, None, {"answer": float(g[-1]) if g else -1.0})
+               for r, g in zip(records, greedy)]  # the greedy answer's last number is "right"
+    assert measures.greedy_correct(model, tok, answers, 4, micro=2) == [1.0 if g else 0.0 for g in greedy]
+    wrong = [PromptRecord(r.index, r.prompt, None, {"answer": 999}) for r in records]
+    assert measures.greedy_correct(model, tok, wrong, 4) == [0.0] * 5
