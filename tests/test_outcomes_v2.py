@@ -383,3 +383,26 @@ def test_answer_nll_and_greedy_correct_against_per_token_loops():
     assert measures.greedy_correct(model, tok, answers, 4, micro=2) == [1.0 if g else 0.0 for g in greedy]
     wrong = [PromptRecord(r.index, r.prompt, None, {"answer": 999}) for r in records]
     assert measures.greedy_correct(model, tok, wrong, 4) == [0.0] * 5
+
+
+def test_sft_training_logs_the_batch_nll_without_a_second_forward(tmp_path):
+    """The per-step outcome of SFT is the loss (mean NLL per demonstration row at the step's parameters):
+    the same number a separate no-grad pass gives, at one forward per micro-batch."""
+    model, tok = tiny_model("llama-untied"), DemoTokenizer(64)
+    records = _records(6)
+    demos = tmp_path / "d.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": r.prompt, "response": f"{r.fields['answer']} 9"}) + "\n"
+                             for r in records))
+    task = make_task(SFTDemonstrationsObjective(demos), Context(model, tok, "cpu"), records, 2, 4)
+    forwards = []
+    handle = model.register_forward_hook(lambda *a: forwards.append(1))
+    from fisher_select.training.loop import Streams
+
+    rows = task.batch(2, Streams.from_seed(0, "cpu")).rows  # the rows step 0 of seed 0 will see
+    task.restart()
+    brute = -task._logprob_sum(rows) / len(rows)
+    forwards.clear()
+    log = train(model, task, TrainConfig(1, "sgd", 0.1, 0.0, 0, 2, 2, 4, 8), progress=False)
+    handle.remove()
+    assert log[0]["outcome"] == pytest.approx(brute, rel=1e-6) and log[0]["outcome"] == log[0]["loss"]
+    assert len(forwards) == 1  # 4 rows, micro-batch 8: one forward, the backward's
