@@ -89,6 +89,7 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--budgets", type=float, nargs="+", help="mask densities (default: the kind's core budgets)")
     v2.add_argument("--train-prompts", type=int, default=48)
     v2.add_argument("--grid-cap", type=int, default=10)
+    v2.add_argument("--threads", type=int, help="torch threads (default: torch's; on a shared 2-core machine: 2)")
     v2.add_argument("--model", help="calibrate and train this model instead of the recipe's (a small one for a smoke)")
     return p.parse_args(argv)
 
@@ -188,6 +189,10 @@ def main_v2(args) -> int:
         print("\n".join(record_markdown(record)))
         return 0
     protocol = protocol_of(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.plan:
         print(json.dumps({"protocol": protocol.as_dict(), "minimum_cells": protocol.minimum_cells()}))
         return 0
