@@ -66,8 +66,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=d.optimizer)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(d.methods))
-    p.add_argument("--validation-prompts", type=int, default=d.validation_prompts)
-    p.add_argument("--heldout-prompts", type=int, default=d.heldout_prompts)
+    p.add_argument("--validation-prompts", type=int,
+                   help=f"default: {d.validation_prompts} (protocol 1), 16 (--v2)")
+    p.add_argument("--heldout-prompts", type=int, help=f"default: {d.heldout_prompts} (protocol 1), 32 (--v2)")
     p.add_argument("--dense", action="store_true", help="masks through apply_masks instead of the sparse-delta mode")
     p.add_argument("--lora-mean-rank", type=int, default=d.lora_mean_rank)
     p.add_argument("--shira-r", type=int, default=d.shira_r)
@@ -99,8 +100,8 @@ def config_of(args, calibration_seconds: float | None) -> OutcomeConfig:
         densities=tuple(args.densities), lr_multipliers=tuple(args.lr_multipliers),
         full_lr_multipliers=tuple(args.full_lr_multipliers), base_lr=args.base_lr, steps=args.steps,
         seeds=args.seeds, seed=args.seed, optimizer=args.optimizer, weight_decay=args.weight_decay,
-        methods=tuple(args.methods), validation_prompts=args.validation_prompts,
-        heldout_prompts=args.heldout_prompts, sparse=not args.dense, lora_mean_rank=args.lora_mean_rank,
+        methods=tuple(args.methods), validation_prompts=args.validation_prompts or OutcomeConfig.validation_prompts,
+        heldout_prompts=args.heldout_prompts or OutcomeConfig.heldout_prompts, sparse=not args.dense, lora_mean_rank=args.lora_mean_rank,
         shira_r=args.shira_r, prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, calibration_seconds=calibration_seconds)
 
@@ -128,8 +129,10 @@ def protocol_of(args):
     from fisher_select.studies.arms import ARMS
     from fisher_select.studies.protocol import ProtocolV2
 
+    d = ProtocolV2(args.kind)
     return ProtocolV2(args.kind, replicates=args.replicates, seed=args.seed, train_prompts=args.train_prompts,
-                      validation_prompts=args.validation_prompts, heldout_prompts=args.heldout_prompts,
+                      validation_prompts=args.validation_prompts or d.validation_prompts,
+                      heldout_prompts=args.heldout_prompts or d.heldout_prompts,
                       budgets=tuple(args.budgets or ()), arms=tuple(args.arms or ARMS), grid_cap=args.grid_cap,
                       steps=args.steps, optimizer=args.optimizer, weight_decay=args.weight_decay,
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
