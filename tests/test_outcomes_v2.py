@@ -406,3 +406,32 @@ def test_sft_training_logs_the_batch_nll_without_a_second_forward(tmp_path):
     handle.remove()
     assert log[0]["outcome"] == pytest.approx(brute, rel=1e-6) and log[0]["outcome"] == log[0]["loss"]
     assert len(forwards) == 1  # 4 rows, micro-batch 8: one forward, the backward's
+
+
+def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares(tmp_path):
+    records = _records(10)
+    protocol = ProtocolV2("opd-pg", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=2,
+                          budgets=(0.05,), arms=("bound", "full"), grid_cap=5, steps=1, prompts_per_step=2,
+                          samples_per_prompt=2, max_new_tokens=3, bootstrap=100)
+    teachers = []
+
+    def load(r):
+        splits = draw(records, protocol, r)
+        model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+        objective = OPDPGObjective(TeacherConfig(model="self", system_prompt=None, user_template="{prompt} 9"))
+        fisher = {n: torch.rand(p.shape, generator=torch.Generator().manual_seed(r)) for n, p in
+                  model.named_parameters()}
+        run = make_run(fisher, objectives=[{"name": "opd-pg", "signal_scale": 2.0}], fingerprint=fingerprint(model),
+                       run_id=f"rep{r}")
+        teachers.append(objective)
+        return Replicate(r, run, model, tok, objective, splits, general_text="3 4 5 6 7 8 9 10 11 12")
+
+    done = run_study(protocol, tmp_path / "cells", load)
+    assert done["finished"]
+    assert all(isinstance(o.spec.model, torch.nn.Module) and not any(p.requires_grad for p in o.spec.model.parameters())
+               for o in teachers)  # every replicate's teacher is a frozen copy
+    record = read_outcomes(assemble(tmp_path / "cells", resamples=100))
+    assert record.noise_floor is not None and record.noise_floor["n"] == 2
+    assert 0.0 <= record.training_rows["signal_share"] <= 1.0 and record.training_rows["finished_share"] is not None
+    sums = record.arms["bound@0.05"]["replicates"][0]["mask_sums"]
+    assert sums["sqrt_fs"] == pytest.approx(sums["sqrt_f"] * math.sqrt(2.0)) and sums["abs_g_hat"] is None
