@@ -1,4 +1,7 @@
-"""The matched-budget outcome study: how much of full fine-tuning's held-out gain each selection recovers.
+"""The matched-budget outcome study, protocol 1: how much of full fine-tuning's held-out gain each selection recovers.
+
+Deprecated: its results are withdrawn (one calibration, seeds that only reorder batches, grids that
+stop at their edges); protocol 2 is ``fisher_select.studies`` (docs/OUTCOMES.md). Kept for one release.
 
 ``outcome_study(run, OutcomeConfig(...))`` trains the run's objective (``training.loop``) from the
 calibration point with every method of ``METHODS`` and full fine-tuning as the reference:
