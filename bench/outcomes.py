@@ -1,4 +1,18 @@
-"""The matched-budget outcome study (issue 22, item 2): one JSON, table and plot per training kind.
+"""The matched-budget outcome study: protocol v2 (issue 32, ``--v2``), and protocol 1 (withdrawn, kept for one release).
+
+Protocol v2 (docs/OUTCOMES.md): replicates, each with its own calibration seed and disjoint draw of
+training / validation / held-out prompts; a pilot replicate chooses every arm's lr on an extended
+grid; every cell is cached under --cells (a rerun skips finished cells); --assemble builds the
+record and tables from the cells alone.
+
+    python bench/outcomes.py --v2 --recipe sft-demonstrations --kind sft --cells bench/results/cells/sft --pilot
+    python bench/outcomes.py --v2 --recipe sft-demonstrations --kind sft --cells bench/results/cells/sft \
+        --budget-minutes 600
+    python bench/outcomes.py --v2 --kind sft --cells bench/results/cells/sft --assemble \
+        --json bench/results/outcomes-sft.json
+
+Protocol 1 (below) shared prompts between training and evaluation and cut its lr grids; its
+results are withdrawn.
 
 Trains the run's objective with every method of ``fisher_select.studies.outcomes`` (masks from
 the bound, |g_hat|, single-batch |grad|, random, |theta| at each density; Spectrum's and
@@ -52,8 +66,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=d.optimizer)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(d.methods))
-    p.add_argument("--validation-prompts", type=int, default=d.validation_prompts)
-    p.add_argument("--heldout-prompts", type=int, default=d.heldout_prompts)
+    p.add_argument("--validation-prompts", type=int,
+                   help=f"default: {d.validation_prompts} (protocol 1), 16 (--v2)")
+    p.add_argument("--heldout-prompts", type=int, help=f"default: {d.heldout_prompts} (protocol 1), 32 (--v2)")
     p.add_argument("--dense", action="store_true", help="masks through apply_masks instead of the sparse-delta mode")
     p.add_argument("--lora-mean-rank", type=int, default=d.lora_mean_rank)
     p.add_argument("--shira-r", type=int, default=d.shira_r)
@@ -63,6 +78,20 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--device", default="cpu")
     p.add_argument("--progress", action="store_true")
+    v2 = p.add_argument_group("protocol v2 (--v2)")
+    v2.add_argument("--v2", action="store_true", help="run protocol v2 (replicates, cells, --assemble)")
+    v2.add_argument("--cells", help="the folder of the study's cells (and its replicates' calibration runs)")
+    v2.add_argument("--pilot", action="store_true", help="only the pilot replicate: choose every arm's lr")
+    v2.add_argument("--assemble", action="store_true", help="build the record and tables from the cells alone")
+    v2.add_argument("--plan", action="store_true", help="print the protocol and its minimum cell count, train nothing")
+    v2.add_argument("--budget-minutes", type=float, help="stop before a cell would overrun this many minutes")
+    v2.add_argument("--replicates", type=int, default=6)
+    v2.add_argument("--arms", nargs="+", help="default: every arm of fisher_select.studies.arms.ARMS")
+    v2.add_argument("--budgets", type=float, nargs="+", help="mask densities (default: the kind's core budgets)")
+    v2.add_argument("--train-prompts", type=int, default=48)
+    v2.add_argument("--grid-cap", type=int, default=10)
+    v2.add_argument("--threads", type=int, help="torch threads (default: torch's; on a shared 2-core machine: 2)")
+    v2.add_argument("--model", help="calibrate and train this model instead of the recipe's (a small one for a smoke)")
     return p.parse_args(argv)
 
 
@@ -71,8 +100,8 @@ def config_of(args, calibration_seconds: float | None) -> OutcomeConfig:
         densities=tuple(args.densities), lr_multipliers=tuple(args.lr_multipliers),
         full_lr_multipliers=tuple(args.full_lr_multipliers), base_lr=args.base_lr, steps=args.steps,
         seeds=args.seeds, seed=args.seed, optimizer=args.optimizer, weight_decay=args.weight_decay,
-        methods=tuple(args.methods), validation_prompts=args.validation_prompts,
-        heldout_prompts=args.heldout_prompts, sparse=not args.dense, lora_mean_rank=args.lora_mean_rank,
+        methods=tuple(args.methods), validation_prompts=args.validation_prompts or OutcomeConfig.validation_prompts,
+        heldout_prompts=args.heldout_prompts or OutcomeConfig.heldout_prompts, sparse=not args.dense, lora_mean_rank=args.lora_mean_rank,
         shira_r=args.shira_r, prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, calibration_seconds=calibration_seconds)
 
@@ -96,9 +125,95 @@ def calibration_seconds(args) -> float | None:
     return json.loads(timing.read_text())["calibration_seconds"] if timing.is_file() else None
 
 
+def protocol_of(args):
+    from fisher_select.studies.arms import ARMS
+    from fisher_select.studies.protocol import ProtocolV2
+
+    d = ProtocolV2(args.kind)
+    return ProtocolV2(args.kind, replicates=args.replicates, seed=args.seed, train_prompts=args.train_prompts,
+                      validation_prompts=args.validation_prompts or d.validation_prompts,
+                      heldout_prompts=args.heldout_prompts or d.heldout_prompts,
+                      budgets=tuple(args.budgets or ()), arms=tuple(args.arms or ARMS), grid_cap=args.grid_cap,
+                      steps=args.steps, optimizer=args.optimizer, weight_decay=args.weight_decay,
+                      prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
+                      max_new_tokens=args.max_new_tokens or 16, batch_size=args.batch_size)
+
+
+def replicate_loader(args, protocol):
+    """load(r): replicate r's own calibration (the recipe on its drawn training prompts, seed + r; made once,
+    kept under CELLS/runs/r<r>), its model and its draw."""
+    from fisher_select.calibration.prompts import load_prompts
+    from fisher_select.recipe import find_recipe, load_recipe
+    from fisher_select.pipeline import run_recipe
+    from fisher_select.run.load import load_run
+    from fisher_select.studies.cell_run import Replicate
+    from fisher_select.studies.protocol import draw
+    from fisher_select.studies.validate import load_setup
+
+    records = load_prompts(load_recipe(find_recipe(args.recipe)).prompts)
+    runs = Path(args.cells) / "runs"
+
+    def load(r: int) -> Replicate:
+        splits = draw(records, protocol, r)
+        run_dir = runs / f"r{r}"
+        if not (run_dir / "report.json").is_file():
+            runs.mkdir(parents=True, exist_ok=True)
+            prompts = runs / f"r{r}-training.jsonl"  # the replicate's training prompts, its calibration's file
+            prompts.write_text("".join(json.dumps(x.fields) + "\n" for x in splits["training"]), encoding="utf-8")
+            overrides = {"device": args.device, "prompts": str(prompts), "num_prompts": protocol.train_prompts,
+                         "seed": protocol.seed + r, "model": args.model, "max_new_tokens": protocol.max_new_tokens}
+            run_recipe(load_recipe(find_recipe(args.recipe), overrides), run_dir, progress=args.progress,
+                       recipe_name=args.recipe)
+        run = load_run(run_dir)
+        setup = load_setup(run, args.device, 0)
+        return Replicate(r, run, setup.model, setup.tokenizer, setup.objective, splits, args.device)
+
+    return load
+
+
+def main_v2(args) -> int:
+    from fisher_select.atomic import write_file
+    from fisher_select.run.outcomes import read_outcomes
+    from fisher_select.studies.assemble import assemble
+    from fisher_select.studies.study import run_study
+    from fisher_select.studies.tables import record_markdown
+
+    if not args.cells or not args.kind:
+        raise FisherSelectError("--v2 needs --cells DIR and --kind")
+    if args.assemble:
+        record = read_outcomes(assemble(args.cells, args.kind))
+        if args.json:
+            write_file(Path(args.json), lambda tmp: tmp.write_text(json.dumps(record.as_dict(), indent=1) + "\n"),
+                       overwrite=True)
+        if args.plot:
+            from fisher_select.studies.outcome_plots import gain_vs_forgetting
+
+            write_file(Path(args.plot), lambda tmp: gain_vs_forgetting(tmp, record), overwrite=True)
+        print("\n".join(record_markdown(record)))
+        return 0
+    protocol = protocol_of(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.plan:
+        print(json.dumps({"protocol": protocol.as_dict(), "minimum_cells": protocol.minimum_cells()}))
+        return 0
+    if not args.recipe:
+        raise FisherSelectError("--v2 calibrates each replicate from --recipe NAME; give it (or --assemble)")
+    done = run_study(protocol, args.cells, replicate_loader(args, protocol), budget_minutes=args.budget_minutes,
+                     pilot_only=args.pilot, progress=args.progress)
+    print(json.dumps({k: v for k, v in done.items() if k != "lr_choices"}))
+    for name, c in done["lr_choices"].items():
+        print(f"{name}: lr {c['chosen']:.3g}" + (" (ON THE GRID'S EDGE)" if c["on_edge"] else ""))
+    return 0 if done["finished"] else 3
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     try:
+        if args.v2:
+            return main_v2(args)
         if args.table:
             print("\n".join(outcome_table(json.loads(Path(args.table).read_text()))))
             return 0

@@ -25,6 +25,7 @@ def test_wheel_ships_recipes_and_calibrates_outside_the_checkout(tmp_path):
     wheel = next((tmp_path / "dist").glob("fisher_select-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"fisher_select/recipes/rl-arithmetic.yaml", "fisher_select/recipes/data/arithmetic.jsonl"} <= names
+    assert {"fisher_select/studies/data/general_english.txt", "fisher_select/run/outcomes.py"} <= names
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)

@@ -74,7 +74,7 @@ def test_load_prompts_accepts_utf8_bom(tmp_path):
 
 def test_arithmetic_recipe_loads():
     records = load_prompts(ARITHMETIC)
-    assert len(records) == 64
+    assert len(records) == 512  # data: 512 distinct problems since issue 32 (was 64 with repeats)
     assert all(isinstance(r.fields["answer"], int) for r in records)
 
 

@@ -195,3 +195,34 @@ def check_context(model, records: list[PromptRecord], rendered: list[list[int]],
         f"max_new_tokens={max_new_tokens}: the longest, {worst.describe()}, has {n} tokens; shorten or remove "
         f"those prompts, lower --max-new-tokens to {max(0, limit - n)} or less, or pass --truncate-prompts "
         f"to keep each prompt's last {max(0, keep)} tokens")
+
+
+def normalized_text(record: PromptRecord) -> str:
+    """The text two prompts are compared on: every message's role and content (or the prompt), in lower
+    case with runs of whitespace as one space, so a copy that differs only in spacing or case is the same."""
+    if record.prompt is not None:
+        text = record.prompt
+    else:
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in record.messages)
+    return " ".join(text.lower().split())
+
+
+def check_disjoint(splits: dict[str, list[PromptRecord]]) -> None:
+    """Refuse splits (name -> prompts) that share a prompt's content, in one error naming every shared row.
+
+    Training, validation and held-out prompts must be distinct problems, not only distinct rows: a
+    repeated prompt in the file would put a training problem into an evaluation split.
+    """
+    owner: dict[str, tuple[str, PromptRecord]] = {}
+    clashes = []
+    for split, records in splits.items():
+        for r in records:
+            key = normalized_text(r)
+            if key in owner and owner[key][0] != split:
+                clashes.append(f"{split} {r.describe()} repeats {owner[key][0]} {owner[key][1].describe()}")
+            owner.setdefault(key, (split, r))
+    if clashes:
+        shown = "; ".join(clashes[:8]) + (f"; and {len(clashes) - 8} more" if len(clashes) > 8 else "")
+        raise FisherSelectError(f"{len(clashes)} prompt(s) appear in more than one of {', '.join(splits)} "
+                                f"(same text after folding case and spacing): {shown}; remove the repeats from the "
+                                "prompt file so that no evaluation prompt was trained on")

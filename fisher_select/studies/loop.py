@@ -82,7 +82,7 @@ class Batch:
     rows: list[ScoringRow]
     weights: list[torch.Tensor] | None  # per row (L_row,) weights of the response tokens; None: all 1
     sign: float  # loss = sign * sum_rows sum_t w_t log pi(y_t|s_t) / len(rows)
-    outcome: float  # the step's objective value (mean reward, mean NLL, ...) on these rows
+    outcome: float | None  # the step's objective value (mean reward, ...) on these rows; None: the loss is it
     groups: list[list[int]] = field(default_factory=list)  # row indices per prompt group (split points)
     finished: int | None = None  # sampled responses that ended before max_new_tokens (None: not sampled)
 
@@ -222,8 +222,9 @@ class DemonstrationTask:
         count = self.step_rows(prompts)
         picked = self.order.take(count, streams.order)
         rows = [self.rows[i] for i in picked]
-        nll = -self._logprob_sum(rows) / len(rows)
-        return Batch(rows, None, -1.0, nll, [[i] for i in range(len(rows))])  # rows are independent
+        # outcome None: train() logs the loss, which here is the mean NLL per row at the same parameters,
+        # so no second forward pass is spent on the log
+        return Batch(rows, None, -1.0, None, [[i] for i in range(len(rows))])  # rows are independent
 
     @torch.no_grad()
     def _logprob_sum(self, rows: list[ScoringRow], micro: int = 8) -> float:
@@ -306,7 +307,8 @@ def train(model, task, settings: TrainConfig, *, masks: dict | None = None, spar
             optimizer.step()
             if after_step is not None:
                 after_step(step)
-            log.append({"step": step, "loss": loss, "outcome": batch.outcome, "rows": len(batch.rows),
+            outcome = loss if batch.outcome is None else batch.outcome  # None: the loss is the outcome (SFT)
+            log.append({"step": step, "loss": loss, "outcome": outcome, "rows": len(batch.rows),
                         "rows_with_signal": batch.rows_with_signal(), "finished": batch.finished})
         optimizer.zero_grad(set_to_none=True)
         return log

@@ -1,4 +1,7 @@
-"""The matched-budget outcome study: how much of full fine-tuning's held-out gain each selection recovers.
+"""The matched-budget outcome study, protocol 1: how much of full fine-tuning's held-out gain each selection recovers.
+
+Deprecated: its results are withdrawn (one calibration, seeds that only reorder batches, grids that
+stop at their edges); protocol 2 is ``fisher_select.studies`` (docs/OUTCOMES.md). Kept for one release.
 
 ``outcome_study(run, OutcomeConfig(...))`` trains the run's objective (``studies.loop``) from the
 calibration point with every method of ``METHODS`` and full fine-tuning as the reference:
@@ -35,6 +38,7 @@ import torch
 from scipy import stats as sps
 
 from fisher_select.calibration.objectives.base import Context
+from fisher_select.calibration.prompts import check_disjoint
 from fisher_select.atomic import write_file
 from fisher_select.errors import FisherSelectError
 from fisher_select.outputs.lora import lora_hints, trainable_lora_parameters
@@ -149,7 +153,9 @@ def split_prompts(setup: Setup, validation: int, heldout: int) -> tuple[list, li
         raise FisherSelectError(f"the study needs {validation} validation + {heldout} held-out prompts after the "
                                 f"training prompts, but only {len(setup.eval_prompts)} are left; lower "
                                 "validation_prompts / heldout_prompts")
-    return setup.eval_prompts[:validation], setup.eval_prompts[validation : validation + heldout]
+    chosen = setup.eval_prompts[:validation], setup.eval_prompts[validation : validation + heldout]
+    check_disjoint({"training": setup.prompts, "validation": chosen[0], "held-out": chosen[1]})
+    return chosen
 
 
 def choose_lr(validation_by_lr: dict[float, list[float]], higher_is_better: bool) -> float:

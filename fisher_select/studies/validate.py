@@ -26,7 +26,7 @@ import torch
 
 from fisher_select.atomic import check_dir_target, write_dir
 from fisher_select.calibration.objectives.base import Context, Objective
-from fisher_select.calibration.prompts import PromptRecord, load_prompts
+from fisher_select.calibration.prompts import PromptRecord, check_disjoint, load_prompts
 from fisher_select.recipe import build_objectives, parse_recipe
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint, load_model
@@ -144,6 +144,7 @@ def load_setup(run: Run, device: str, eval_prompts: int) -> Setup:
     every = load_prompts(recipe.prompts)
     n = recipe.num_prompts or len(every)
     held = every[n : n + eval_prompts]
+    check_disjoint({"training": every[:n], "held-out": held})
     return Setup(model, tokenizer, objective, every[:n], held or every[:n], bool(held), device)
 
 

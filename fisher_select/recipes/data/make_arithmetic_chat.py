@@ -16,8 +16,8 @@ SOURCE = HERE / "arithmetic.jsonl"
 OUT = HERE / "arithmetic_chat.jsonl"
 SYSTEM = "You are a calculator. Reply with one number and nothing else."
 SUFFIX = " Answer with the number only."
-# Names and numbers that arithmetic.jsonl never uses (its operands stay below 13), so no example
-# gives away a problem's answer.
+# Names and answers that arithmetic.jsonl never uses (its answers stay below 22 or are products of
+# 2..6), so no example gives away a problem's answer.
 EXAMPLES = [
     ("Tom has 13 apples and gets 21 more. How many apples now?", "34"),
     ("There are 6 boxes with 7 pens each. How many pens in total?", "42"),

@@ -1,0 +1,83 @@
+"""The arms of the outcome study (protocol v2): which coordinates each one trains, and the sums the lr advice tests.
+
+Mask arms at a density (the share of all coordinates): the bound (top sqrt(F S), F's order),
+``|g_hat|`` (the calibration's gradient estimate), first-batch ``|grad|`` (SIFT's rule: the first
+training batch of the replicate), a random mask, and a random mask with the bound's per-tensor counts
+(it separates "which tensors" from "which coordinates within a tensor"). Beside them: all-linear
+LoRA at rank 1 (PEFT) and full fine-tuning, the reference, at their own counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fisher_select.errors import FisherSelectError
+from fisher_select.stats.ranking import global_top_masks
+
+MASK_ARMS = ("bound", "grad_estimate", "first_batch_grad", "random", "random_tensor_counts")
+OWN_COUNT_ARMS = ("lora_all_linear_r1", "full")  # their own trainable count: no density
+ARMS = MASK_ARMS + OWN_COUNT_ARMS
+RANDOM_STREAM = 2_000_003  # offset of the random masks' generator from the replicate's seed
+
+
+def arm_name(arm: str, budget: float | None) -> str:
+    """How tables and records name an arm: ``bound@0.0001``, or ``full`` for an arm at its own count."""
+    return arm if budget is None else f"{arm}@{budget:g}"
+
+
+def random_masks(shapes: dict[str, tuple], density: float, seed: int) -> dict[str, torch.Tensor]:
+    """A uniformly random mask of the top ``density`` share (exactly the count the other rules take)."""
+    gen = torch.Generator().manual_seed(seed + RANDOM_STREAM)
+    return global_top_masks({n: torch.rand(s, generator=gen) for n, s in shapes.items()}, density)
+
+
+def random_with_counts(reference: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Random positions with ``reference``'s count in every tensor."""
+    gen = torch.Generator().manual_seed(seed + RANDOM_STREAM + 1)
+    out = {}
+    for name, ref in reference.items():
+        flat = torch.zeros(ref.numel(), dtype=torch.bool)
+        flat[torch.randperm(ref.numel(), generator=gen)[: int(ref.sum())]] = True
+        out[name] = flat.reshape(ref.shape)
+    return out
+
+
+def arm_masks(arm: str, density: float, *, fisher: dict, grad_estimate: dict | None, first_batch: dict | None,
+              seed: int) -> dict[str, torch.Tensor]:
+    """The masks of one mask arm at ``density`` for the replicate with ``seed``."""
+    if arm == "bound":
+        return global_top_masks(fisher, density)  # sqrt(F S) ranks as F for one objective
+    if arm == "grad_estimate":
+        if grad_estimate is None:
+            raise FisherSelectError("the grad_estimate arm needs the run's gradient estimate "
+                                    "(grad_estimate.safetensors); recalibrate, or leave the arm out")
+        return global_top_masks({n: g.abs() for n, g in grad_estimate.items()}, density)
+    if arm == "first_batch_grad":
+        return global_top_masks({n: g.abs() for n, g in first_batch.items()}, density)
+    if arm == "random":
+        return random_masks({n: tuple(f.shape) for n, f in fisher.items()}, density, seed)
+    if arm == "random_tensor_counts":
+        return random_with_counts(global_top_masks(fisher, density), seed)
+    raise FisherSelectError(f"unknown mask arm {arm!r}; known: {', '.join(MASK_ARMS)}")
+
+
+def mask_sums(masks: dict[str, torch.Tensor], fisher: dict, grad_estimate: dict | None,
+              scale: float | None) -> dict:
+    """Over the mask: the sum of |g_hat_i| and of sqrt(F_i S) (fp64), the first-order progress the lr
+    advice is tested on (None where the run has no gradient estimate or no signal scale)."""
+    bound = sum(float(fisher[n][m].double().sqrt().sum()) for n, m in masks.items())
+    out = {"abs_g_hat": None, "sqrt_fs": None if scale is None else bound * math.sqrt(scale),
+           "sqrt_f": bound, "count": sum(int(m.sum()) for m in masks.values())}
+    if grad_estimate is not None:
+        out["abs_g_hat"] = sum(float(grad_estimate[n][m].double().abs().sum()) for n, m in masks.items())
+    return out
+
+
+def lora_rank1(model):
+    """``model`` adapted with PEFT all-linear LoRA at rank 1 (alpha 2, as lora_config's convention)."""
+    import peft
+
+    config = peft.LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)

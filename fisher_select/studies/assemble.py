@@ -1,0 +1,219 @@
+"""``--assemble``: the outcome study's tables and statistics (protocol v2) from its cells alone.
+
+Per replicate and arm, from the held-out cells: the mean held-out outcome, its gain over the
+untrained model (sign: > 0 is better), the share of full fine-tuning's gain recovered, the content
+gain (answer-token NLL) and its share, greedy accuracy, and forgetting (general-text NLL change).
+Then: the lr each arm was trained at and whether it sits on its grid's edge (from the pilot cells),
+the paired statistics of the bound against each peer at each budget, the trained criterion, the
+evaluation's noise floor, whether the task discriminates, and the lr-advice test.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+from fisher_select.run.outcomes import OUTCOMES_PROTOCOL
+from fisher_select.studies.arms import MASK_ARMS, arm_name
+from fisher_select.studies.cell_run import START
+from fisher_select.errors import FisherSelectError
+from fisher_select.studies.cells import canonical, read_cells
+from fisher_select.studies.grid import best
+from fisher_select.studies.paired import paired, trained
+
+DISCRIMINATES_BELOW = 0.8  # random at 0.01% must recover less than this share of full's content gain
+DISCRIMINATING_BUDGET = 1e-4
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else None
+
+
+def _lr_choices(cells: list[dict], higher_is_better: bool) -> dict:
+    """Each arm's lr as the pilot chose it, rebuilt from the pilot cells (on_edge: smallest or largest)."""
+    grids: dict[str, dict[float, float]] = {}
+    for c in cells:
+        k = c["key"]
+        if k["stage"] == "pilot":
+            grids.setdefault(arm_name(k["arm"], k["budget"]), {})[k["lr"]] = c["result"]["validation"]
+    out = {}
+    for name, by_lr in grids.items():
+        grid = sorted(by_lr)
+        scores = [by_lr[lr] for lr in grid]
+        clean = [(-math.inf if higher_is_better else math.inf) if math.isnan(s) else s for s in scores]
+        i = best(grid, clean, higher_is_better)
+        out[name] = {"grid": grid, "validation": scores, "chosen": grid[i], "on_edge": i in (0, len(grid) - 1)}
+    return out
+
+
+def _per_replicate(cells: list[dict], sign: float) -> dict:
+    """name -> replicate -> the measures of that held-out cell, gains taken against the replicate's start."""
+    held = {}
+    for c in cells:
+        k = c["key"]
+        if k["stage"] == "held_out":
+            held.setdefault(k["replicate"], {})[arm_name(k["arm"], k["budget"])] = c["result"]
+    out: dict[str, dict[int, dict]] = {}
+    for r, arms in sorted(held.items()):
+        start = arms.get(START)
+        if start is None:
+            continue
+        full = arms.get("full")
+        for name, res in arms.items():
+            out.setdefault(name, {})[r] = _measures(res, start, full, sign)
+    return out
+
+
+def _measures(res: dict, start: dict, full: dict | None, sign: float) -> dict:
+    after, before = _mean(res["held_out"]), _mean(start["held_out"])
+    m = {"lr": res["lr"], "held_out": after, "held_out_per_prompt": res["held_out"], "gain": sign * (after - before),
+         "forgetting": res["general_text_nll"] - start["general_text_nll"], "trainable": res["trainable"],
+         "mask_sums": res.get("mask_sums"), "training_seconds": res["training_seconds"]}
+    if "answer_nll" in res:
+        m["content_gain"] = _mean(start["answer_nll"]) - _mean(res["answer_nll"])  # > 0: the answers got likelier
+        m["greedy_accuracy"] = _mean(res["greedy_correct"])
+    if full is not None:
+        full_gain = sign * (_mean(full["held_out"]) - before)
+        m["recovered"] = m["gain"] / full_gain if full_gain else None
+        if "answer_nll" in res:
+            full_content = _mean(start["answer_nll"]) - _mean(full["answer_nll"])
+            m["content_recovered"] = m["content_gain"] / full_content if full_content else None
+    return m
+
+
+def _paired_table(per: dict, budgets: list, measure: str, resamples: int) -> dict:
+    out = {}
+    for b in budgets:
+        bound = per.get(arm_name("bound", b), {})
+        for arm in MASK_ARMS[1:] + ("lora_all_linear_r1",):
+            peer = per.get(arm if arm not in MASK_ARMS else arm_name(arm, b), {})
+            reps = sorted(set(bound) & set(peer))
+            pairs = [(bound[r].get(measure), peer[r].get(measure)) for r in reps]
+            pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+            if pairs:
+                out[f"bound@{b:g} vs {arm_name(arm, b if arm in MASK_ARMS else None)}"] = paired(
+                    [x for x, _ in pairs], [y for _, y in pairs], resamples=resamples)
+    return out
+
+
+def _lr_advice(per: dict, choices: dict) -> dict:
+    """Does a mask's sum of |g_hat_i| (or of sqrt(F_i S)) predict its chosen lr? log-log fit over masks."""
+    out = {}
+    for which in ("abs_g_hat", "sqrt_fs"):
+        xs, ys = [], []
+        for name, reps in per.items():
+            sums = next(iter(reps.values())).get("mask_sums") if reps else None
+            if sums and sums.get(which) and name in choices:
+                xs.append(math.log(sums[which]))
+                ys.append(math.log(choices[name]["chosen"]))
+        if len(xs) >= 3 and np.ptp(xs) > 0 and np.ptp(ys) > 0:
+            slope, intercept = np.polyfit(xs, ys, 1)
+            r = float(np.corrcoef(xs, ys)[0, 1])
+            out[which] = {"n": len(xs), "slope": float(slope), "intercept": float(intercept), "r": r,
+                          "meaning": "log(chosen lr) = intercept + slope * log(sum over the mask), pilot replicate"}
+        else:
+            out[which] = {"n": len(xs), "slope": None, "r": None,
+                          "meaning": "too few masks with this sum, or one lr for all of them: nothing to fit"}
+    return out
+
+
+def study_cells(folder, kind: str | None = None) -> list[dict]:
+    """The sound cells of one kind under ``folder``, all of one protocol (else one error: cells of an older
+    protocol stay on disk after a change and must not be mixed into the new tables)."""
+    cells = [c for c in read_cells(folder) if kind is None or c["key"]["kind"] == kind]
+    if not cells:
+        raise FisherSelectError(f"no finished cell{'' if kind is None else ' of kind ' + kind} under {folder}; "
+                                "run the study first (docs/OUTCOMES.md)")
+    kinds = {c["key"]["kind"] for c in cells}
+    if len(kinds) > 1:
+        raise FisherSelectError(f"{folder} holds cells of several kinds ({', '.join(sorted(kinds))}); pass --kind")
+    groups: dict[str, int] = {}
+    for c in cells:
+        digest = canonical(c["context"]["protocol"])
+        groups[digest] = groups.get(digest, 0) + 1
+    if len(groups) > 1:
+        raise FisherSelectError(f"{folder} holds cells of {len(groups)} different protocol settings "
+                                f"({', '.join(str(n) for n in groups.values())} cells); move the cells of the old "
+                                "settings to another folder, then assemble again")
+    return cells
+
+
+def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
+    """The study's record (``run.outcomes``, protocol v2) from the cells under ``folder``."""
+    cells = study_cells(folder, kind)
+    protocol = cells[0]["context"]["protocol"]
+    higher = bool(cells[0]["result"]["higher_is_better"])
+    sign = 1.0 if higher else -1.0
+    per = _per_replicate(cells, sign)
+    choices = _lr_choices(cells, higher)
+    arms = {name: {"lr": choices.get(name, {}).get("chosen"), "lr_on_edge": choices.get(name, {}).get("on_edge"),
+                   "replicates": reps, **_summary(reps)} for name, reps in per.items()}
+    full = [m["gain"] for m in per.get("full", {}).values()]
+    return {"protocol": OUTCOMES_PROTOCOL, "kind": protocol["kind"], "settings": protocol, "cells": len(cells),
+            "higher_is_better": higher, "lr_choices": choices, "arms": arms, "trained": trained(full),
+            "noise_floor": _noise_floor(cells), "discriminates": _discriminates(per),
+            "paired": {"recovered": _paired_table(per, protocol["budgets"], "recovered", resamples),
+                       "forgetting": _paired_table(per, protocol["budgets"], "forgetting", resamples)},
+            "lr_advice": _lr_advice(per, choices), "verdicts": _verdicts(per, protocol["budgets"], resamples),
+            "training_rows": _shares(cells)}
+
+
+def _verdicts(per: dict, budgets: list, resamples: int) -> dict:
+    """Per budget: the bound against the peer mask with the best mean recovered share, in one word:
+    wins / loses when the 95% interval of the paired difference excludes 0, else ties."""
+    out = {}
+    for b in budgets:
+        peers = {arm: _summary(per.get(arm_name(arm, b), {})).get("recovered") for arm in MASK_ARMS[1:]}
+        peers = {a: s for a, s in peers.items() if s}
+        if not peers or arm_name("bound", b) not in per:
+            continue
+        best_peer = max(peers, key=lambda a: peers[a]["mean"])
+        stats = _paired_table(per, [b], "recovered", resamples).get(f"bound@{b:g} vs {arm_name(best_peer, b)}")
+        if stats is None or stats["interval"] is None:
+            continue
+        lo, hi = stats["interval"]
+        word = "wins" if lo > 0 else "loses" if hi < 0 else "ties"
+        out[f"{b:g}"] = {"best_peer": best_peer, "verdict": word, **{k: stats[k] for k in ("mean_difference",
+                                                                                           "interval", "n")}}
+    return out
+
+
+def _shares(cells: list[dict]) -> dict:
+    """Over full fine-tuning's held-out training runs: rows with a training signal, responses that finished."""
+    logs = [e for c in cells if c["key"]["arm"] == "full" and c["key"]["stage"] == "held_out"
+            for e in c["result"]["log"]]
+    rows = sum(e["rows"] for e in logs)
+    finished = [e["finished"] for e in logs if e.get("finished") is not None]
+    return {"signal_share": sum(e["rows_with_signal"] for e in logs) / rows if rows else None,
+            "finished_share": sum(finished) / rows if finished and rows else None,
+            "meaning": "rows with a nonzero training signal and sampled responses that ended before max_new_tokens, "
+                       "over full fine-tuning's training batches (finished: None for SFT, nothing sampled)"}
+
+
+def _summary(reps: dict) -> dict:
+    out = {}
+    for measure in ("recovered", "content_recovered", "forgetting", "greedy_accuracy", "gain"):
+        values = [m[measure] for m in reps.values() if m.get(measure) is not None]
+        if values:
+            se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+            out[measure] = {"mean": statistics.fmean(values), "se": se, "n": len(values)}
+    return out
+
+
+def _noise_floor(cells: list[dict]) -> dict | None:
+    """The untrained model evaluated twice with different sampling seeds: |mean difference| per replicate."""
+    diffs = [abs(_mean(c["result"]["held_out"]) - _mean(c["result"]["held_out_again"])) for c in cells
+             if c["key"]["arm"] == START and "held_out_again" in c["result"]]
+    return {"mean_abs_difference": _mean(diffs), "n": len(diffs)} if diffs else None
+
+
+def _discriminates(per: dict) -> dict:
+    reps = per.get(arm_name("random", DISCRIMINATING_BUDGET), {})
+    shares = [m["content_recovered"] for m in reps.values() if m.get("content_recovered") is not None]
+    if not shares:
+        return {"discriminates": None, "why": "no random@0.0001 cell with a content gain"}
+    share = statistics.fmean(shares)
+    return {"discriminates": share < DISCRIMINATES_BELOW, "random_content_recovered": share,
+            "rule": f"random at {DISCRIMINATING_BUDGET:g} recovers < {DISCRIMINATES_BELOW:g} of full's content gain"}

@@ -1,0 +1,91 @@
+"""The outcome study's protocol v2 driver: the pilot chooses each arm's lr, then every replicate trains at it.
+
+``run_study(protocol, folder, load_replicate, ...)`` loads one replicate at a time
+(``load_replicate(r) -> Replicate``: its own calibration run, model and draw), runs its cells
+through the cell cache under ``folder`` (a finished cell is skipped) and stops before a cell would
+overrun ``budget_minutes``. ``assemble.assemble(folder)`` builds the tables from the cells alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from fisher_select.errors import FisherSelectError
+from fisher_select.studies.arms import arm_name
+from fisher_select.studies.cell_run import START, Replicate, ReplicateCells
+from fisher_select.studies.cells import CellCache, CellKey, Clock, canonical
+from fisher_select.studies.grid import GridChoice, choose_lr
+from fisher_select.studies.protocol import ProtocolV2, draw_identity
+
+PILOT = 0  # the replicate whose validation chooses every arm's lr
+
+
+def replicate_context(protocol: ProtocolV2, rep: Replicate) -> dict:
+    """What defines a replicate's cells besides their key: model, calibration, draw, protocol."""
+    fingerprint = hashlib.sha256(canonical(rep.run.fingerprint).encode()).hexdigest()
+    return {"model": fingerprint, "calibration": rep.run.run_id, "draw": draw_identity(rep.splits),
+            "protocol": protocol.as_dict()}
+
+
+class Study:
+    """One kind's study: its protocol, cell cache and clock."""
+
+    def __init__(self, protocol: ProtocolV2, folder, clock: Clock | None = None, progress: bool = False):
+        problems = protocol.problems()
+        if problems:
+            raise FisherSelectError("invalid protocol v2 settings: " + "; ".join(problems))
+        self.protocol, self.clock, self.progress = protocol, clock, progress
+        self.cache = CellCache(folder, {})
+        self.choices: dict[tuple, GridChoice] = {}
+        self.higher_is_better = None
+
+    def _cells_of(self, rep: Replicate) -> ReplicateCells:
+        self.cache.contexts[rep.index] = replicate_context(self.protocol, rep)
+        cells = ReplicateCells(self.protocol, rep, self.progress)
+        self.higher_is_better = cells.task.higher_is_better
+        return cells
+
+    def _cell(self, cells: ReplicateCells, arm: str, budget, lr: float, stage: str) -> dict | None:
+        key = CellKey(self.protocol.kind, cells.rep.index, arm, budget, lr, stage)
+        return self.cache.run(key, lambda: cells.compute(arm, budget, lr, stage), self.clock)
+
+    def pilot(self, cells: ReplicateCells) -> bool:
+        """Choose every arm's lr on the pilot replicate's validation prompts; False if time ran out."""
+        for arm, budget in self.protocol.cells():
+            def evaluate(lr, arm=arm, budget=budget):
+                cell = self._cell(cells, arm, budget, lr, "pilot")
+                return None if cell is None else cell["validation"]
+
+            choice = choose_lr(evaluate, self.protocol.start_grid(arm, budget), self.higher_is_better,
+                               self.protocol.grid_cap)
+            if choice is None:
+                return False
+            self.choices[(arm, budget)] = choice
+        return True
+
+    def held_out(self, cells: ReplicateCells) -> bool:
+        """The replicate's held-out cells at the chosen lrs (and the untrained model); False if time ran out."""
+        if self._cell(cells, START, None, 0.0, "held_out") is None:
+            return False
+        for (arm, budget), choice in self.choices.items():
+            if self._cell(cells, arm, budget, choice.chosen, "held_out") is None:
+                return False
+        return True
+
+
+def run_study(protocol: ProtocolV2, folder, load_replicate, *, budget_minutes: float | None = None,
+              pilot_only: bool = False, progress: bool = False) -> dict:
+    """Run (or resume) the study's cells; what was done and whether it finished."""
+    study = Study(protocol, folder, Clock(budget_minutes), progress)
+    done = True
+    replicates = [PILOT] if pilot_only else range(protocol.replicates)
+    for r in replicates:  # the pilot (0) comes first: it chooses the lrs the others reuse
+        cells = study._cells_of(load_replicate(r))
+        done = (study.pilot(cells) if r == PILOT else True) and (pilot_only or study.held_out(cells))
+        del cells  # one replicate's model in memory at a time
+        if not done:
+            break
+    return {"finished": done, "computed": study.cache.computed, "skipped": study.cache.skipped,
+            "stopped_by_budget": study.clock.stopped,
+            "lr_choices": {arm_name(a, b): c.as_dict() for (a, b), c in study.choices.items()}}
+

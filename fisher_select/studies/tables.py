@@ -1,0 +1,64 @@
+"""Markdown tables of a protocol v2 outcome record: every number from the record, edge lrs flagged."""
+
+from __future__ import annotations
+
+from fisher_select.run.outcomes import OutcomesRecord
+
+
+def _ms(summary: dict | None, digits: int = 3) -> str:
+    if not summary:
+        return "-"
+    se = summary.get("se")
+    return f"{summary['mean']:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
+
+
+def arm_table(record: OutcomesRecord) -> list[str]:
+    """One row per arm: lr (``*``: still on its grid's edge), recovered share, content share, forgetting, accuracy."""
+    lines = ["| arm | lr | recovered | content recovered | forgetting (general-text NLL/token) | greedy accuracy | "
+             "replicates |", "|---|---|---|---|---|---|---:|"]
+    for name, arm in record.arms.items():
+        if name == "start":
+            continue
+        lr = "-" if arm.get("lr") is None else f"{arm['lr']:.3g}" + (" *" if arm.get("lr_on_edge") else "")
+        lines.append(f"| {name} | {lr} | {_ms(arm.get('recovered'))} | {_ms(arm.get('content_recovered'))} | "
+                     f"{_ms(arm.get('forgetting'))} | {_ms(arm.get('greedy_accuracy'))} | {len(arm['replicates'])} |")
+    return lines
+
+
+def paired_table(record: OutcomesRecord, measure: str = "recovered") -> list[str]:
+    """The bound against each peer at each budget: mean difference, 95% bootstrap interval, p-values."""
+    lines = [f"| {measure}: pair | mean difference | 95% interval | paired t p | Wilcoxon p | n |",
+             "|---|---|---|---|---|---:|"]
+    for pair, s in record.paired.get(measure, {}).items():
+        interval = "-" if s["interval"] is None else f"[{s['interval'][0]:.3f}, {s['interval'][1]:.3f}]"
+        p = [("-" if s[k] is None else f"{s[k]:.3g}") for k in ("t_p", "wilcoxon_p")]
+        lines.append(f"| {pair} | {s['mean_difference']:.3f} | {interval} | {p[0]} | {p[1]} | {s['n']} |")
+    return lines
+
+
+def verdict_lines(record: OutcomesRecord) -> list[str]:
+    """Trained, discriminating, noise floor and edge flags, in words."""
+    t, d = record.trained, record.discriminates
+    out = [f"- trained: {t['trained']} (full fine-tuning's improvement {t['mean']:.4g}, SE {t['se']:.3g}; "
+           f"rule: {t['rule']})",
+           f"- discriminates: {d.get('discriminates')} ({d.get('rule') or d.get('why')})"]
+    if record.noise_floor:
+        out.append(f"- evaluation noise floor: {record.noise_floor['mean_abs_difference']:.4g} (the untrained model "
+                   "evaluated with two sampling seeds, mean |difference| over replicates)")
+    for budget, v in record.verdicts.items():
+        out.append(f"- at {float(budget):.4%} the bound {v['verdict']} against the best peer, {v['best_peer']} "
+                   f"(mean difference {v['mean_difference']:+.3f}, 95% interval [{v['interval'][0]:.3f}, "
+                   f"{v['interval'][1]:.3f}], {v['n']} replicates)")
+    rows = record.training_rows
+    if rows.get("signal_share") is not None:
+        finished = rows.get("finished_share")
+        out.append(f"- training rows with signal: {rows['signal_share']:.0%}"
+                   + ("" if finished is None else f"; responses finished: {finished:.0%}"))
+    edge = record.on_edge()
+    out.append("- lr on a grid edge (*): " + (", ".join(edge) if edge else "none"))
+    return out
+
+
+def record_markdown(record: OutcomesRecord) -> list[str]:
+    return [*verdict_lines(record), "", *arm_table(record), "", *paired_table(record, "recovered"), "",
+            *paired_table(record, "forgetting")]

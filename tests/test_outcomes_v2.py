@@ -1,0 +1,437 @@
+"""Protocol v2 of the outcome study (fisher_select.studies) on tiny models, in seconds: the cell cache,
+lr grid extension, paired statistics against brute-force references, the frozen teacher, and a whole
+study from replicates' own calibrations to the assembled record."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.objectives import OPDPGObjective, SFTDemonstrationsObjective
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.calibration.settings import TeacherConfig
+from fisher_select.errors import FisherSelectError
+from fisher_select.models import fingerprint
+from fisher_select.run.outcomes import OUTCOMES_PROTOCOL, read_outcomes
+from fisher_select.studies import measures
+from fisher_select.studies.arms import arm_masks, mask_sums, random_with_counts
+from fisher_select.studies.assemble import assemble
+from fisher_select.studies.cell_run import Replicate
+from fisher_select.studies.cells import CellCache, CellKey, Clock, read_cells
+from fisher_select.studies.grid import STEP, choose_lr, lr_grid
+from fisher_select.studies.paired import paired, trained
+from fisher_select.studies.protocol import ProtocolV2, draw
+from fisher_select.studies.outcome_plots import gain_vs_forgetting
+from fisher_select.studies.study import run_study
+from fisher_select.studies.tables import record_markdown
+from fisher_select.studies.loop import TrainConfig, make_task, train
+from fisher_select.calibration.objectives.base import Context
+from tests.runs import make_run
+from tests.test_validate import DemoTokenizer
+from tests.tiny import tiny_model
+
+# --- the cell cache ------------------------------------------------------------------------------------------
+
+
+def _cache(tmp_path, protocol="p1"):
+    return CellCache(tmp_path / "cells", {0: {"protocol": protocol, "model": "m"}, 1: {"protocol": protocol}})
+
+
+def test_a_resume_skips_finished_cells_and_a_changed_protocol_redoes_them(tmp_path):
+    calls = []
+    keys = [CellKey("sft", r, "bound", 1e-3, lr, "held_out") for r in (0, 1) for lr in (1e-3, 1e-2)]
+
+    def compute(key):
+        calls.append(key)
+        return {"value": key.lr * (key.replicate + 1)}
+
+    first = _cache(tmp_path)
+    got = [first.run(k, lambda k=k: compute(k)) for k in keys]
+    assert len(calls) == 4 and first.computed == 4 and first.skipped == 0
+    again = _cache(tmp_path)  # a new session over the same folder
+    assert [again.run(k, lambda k=k: compute(k)) for k in keys] == got
+    assert len(calls) == 4 and again.skipped == 4
+    changed = _cache(tmp_path, protocol="p2")
+    changed.run(keys[0], lambda: compute(keys[0]))
+    assert len(calls) == 5 and changed.computed == 1  # another protocol: the old cell is not reused
+    assert not [p for p in (tmp_path / "cells").iterdir() if p.name.startswith(".")]  # no temporaries left
+    cells = read_cells(tmp_path / "cells")
+    assert len(cells) == 5 and {c["context"]["protocol"] for c in cells} == {"p1", "p2"}
+    with pytest.raises(FisherSelectError, match="cells of 2 different protocol settings .* move the cells"):
+        assemble(tmp_path / "cells")  # old and new protocols are never mixed into one table
+    with pytest.raises(FisherSelectError, match="no finished cell of kind rl"):
+        assemble(tmp_path / "cells", kind="rl")
+
+
+def test_a_cell_file_edited_by_hand_is_not_trusted(tmp_path):
+    cache = _cache(tmp_path)
+    key = CellKey("rl", 0, "random", 1e-4, 0.1, "pilot")
+    path = cache.put(key, {"validation": 1.0})
+    cell = json.loads(path.read_text())
+    cell["context"]["model"] = "another"
+    path.write_text(json.dumps(cell))
+    assert cache.get(key) is None and read_cells(tmp_path / "cells") == []
+
+
+def test_the_time_budget_stops_before_a_cell_would_overrun(tmp_path):
+    cache = _cache(tmp_path)
+    key = CellKey("sft", 0, "full", None, 1e-5, "pilot")
+    clock = Clock(minutes=0.5, guess_s=60.0)  # a cell is guessed at a minute: it does not fit in 30 s
+    assert cache.run(key, lambda: {"validation": 1.0}, clock) is None and clock.stopped
+    assert not (tmp_path / "cells").exists() or not list((tmp_path / "cells").iterdir())
+    roomy = Clock(minutes=5, guess_s=1.0)
+    assert cache.run(key, lambda: {"validation": 1.0}, roomy) == {"validation": 1.0} and len(roomy.seen) == 1
+
+
+# --- lr grids ------------------------------------------------------------------------------------------------
+
+
+def _valley(best_lr):
+    """A validation loss with its minimum at ``best_lr`` (lower is better), and the lrs it was asked for."""
+    asked = []
+
+    def evaluate(lr):
+        asked.append(lr)
+        return (math.log10(lr) - math.log10(best_lr)) ** 2
+
+    return evaluate, asked
+
+
+def test_grid_points_are_spaced_by_sqrt_10():
+    assert lr_grid(1e-4, 4) == pytest.approx([1e-4, 1e-4 * STEP, 1e-3, 1e-3 * STEP])
+
+
+def test_a_choice_on_the_upper_edge_extends_the_grid_until_it_is_inside():
+    evaluate, asked = _valley(0.3)
+    choice = choose_lr(evaluate, lr_grid(1e-4, 4), higher_is_better=False, cap=12)
+    assert choice.chosen == pytest.approx(1e-4 * STEP**7)  # 0.316, the grid point nearest 0.3
+    # points 4..7 reach it, point 8 shows it is not on the edge any more
+    assert not choice.on_edge and choice.extended == 5 and len(asked) == 9
+    assert choice.grid == pytest.approx(lr_grid(1e-4, 9))
+
+
+def test_a_choice_on_the_lower_edge_extends_downward():
+    evaluate, _ = _valley(1e-6)
+    choice = choose_lr(evaluate, lr_grid(1e-4, 4), higher_is_better=False, cap=12)
+    assert choice.chosen == pytest.approx(1e-6) and not choice.on_edge and choice.grid[0] < 1e-6
+
+
+def test_the_cap_stops_the_extension_and_flags_the_edge():
+    evaluate, asked = _valley(10.0)
+    choice = choose_lr(evaluate, lr_grid(1e-4, 4), higher_is_better=False, cap=6)
+    assert len(choice.grid) == 6 and choice.chosen == max(choice.grid) and choice.on_edge and len(asked) == 6
+
+
+def test_a_diverged_run_never_wins_and_ties_take_the_smaller_lr():
+    scores = {1e-3: 1.0, 1e-3 * STEP: float("nan"), 1e-2: 1.0, 1e-2 * STEP: 2.0, 0.1: 3.0}
+    choice = choose_lr(lambda lr: scores[min(scores, key=lambda x: abs(x - lr))], sorted(scores),
+                       higher_is_better=False, cap=5)
+    assert choice.chosen == 1e-3 and choice.on_edge  # the cap is already reached
+
+
+# --- paired statistics ---------------------------------------------------------------------------------------
+
+BOUND = [0.91, 0.87, 0.95, 0.80, 0.93, 0.89]
+PEER = [0.85, 0.88, 0.90, 0.71, 0.86, 0.84]
+
+
+def test_paired_t_and_wilcoxon_against_brute_force():
+    out = paired(BOUND, PEER, resamples=2000)
+    d = np.subtract(BOUND, PEER)
+    t = d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+    assert out["mean_difference"] == pytest.approx(d.mean(), abs=1e-12)
+    assert out["t_p"] == pytest.approx(2 * sps.t.sf(abs(t), len(d) - 1), rel=1e-9)
+    # exact Wilcoxon signed-rank: every sign pattern of the ranked |d| (no ties, no zeros here)
+    ranks = sps.rankdata(np.abs(d))
+    observed = ranks[d > 0].sum()
+    sums = [sum(r for r, s in zip(ranks, signs) if s) for signs in itertools.product((0, 1), repeat=len(d))]
+    centre = ranks.sum() / 2
+    exact = np.mean([abs(s - centre) >= abs(observed - centre) - 1e-12 for s in sums])
+    assert out["wilcoxon_p"] == pytest.approx(exact, rel=1e-9)
+
+
+def test_bootstrap_interval_matches_the_exact_bootstrap_distribution():
+    bound, peer = [1.0, 2.5, 0.5, 3.0], [0.0, 1.0, 1.0, 1.0]
+    d = np.subtract(bound, peer)
+    means = sorted(np.mean([d[i] for i in idx]) for idx in itertools.product(range(4), repeat=4))  # all 256
+    lo, hi = np.quantile(means, 0.025), np.quantile(means, 0.975)
+    out = paired(bound, peer, resamples=200_000, seed=1)
+    assert out["interval"][0] == pytest.approx(lo, abs=0.08) and out["interval"][1] == pytest.approx(hi, abs=0.08)
+
+
+def test_degenerate_pairs_give_no_p_values():
+    assert paired([1.0, 2.0], [1.0, 2.0])["wilcoxon_p"] is None
+    assert paired([1.0], [0.5])["interval"] is None
+    with pytest.raises(ValueError, match="one value per replicate"):
+        paired([1.0, 2.0], [1.0])
+
+
+def test_trained_needs_three_standard_errors():
+    assert trained([1.0, 1.1, 0.9, 1.0])["trained"]
+    noisy = trained([1.0, -0.8, 0.9, -0.7])
+    assert not noisy["trained"] and noisy["se"] == pytest.approx(np.std([1.0, -0.8, 0.9, -0.7], ddof=1) / 2)
+
+
+# --- arms ----------------------------------------------------------------------------------------------------
+
+
+def test_random_with_the_bounds_counts_keeps_every_tensors_count():
+    gen = torch.Generator().manual_seed(0)
+    fisher = {"a": torch.rand(20, 10, generator=gen), "b": torch.rand(50, generator=gen) * 3}
+    bound = arm_masks("bound", 0.1, fisher=fisher, grad_estimate=None, first_batch=None, seed=0)
+    other = random_with_counts(bound, seed=0)
+    assert {n: int(m.sum()) for n, m in other.items()} == {n: int(m.sum()) for n, m in bound.items()}
+    assert any(not torch.equal(other[n], bound[n]) for n in bound)
+    sums = mask_sums(bound, fisher, {n: -f for n, f in fisher.items()}, scale=4.0)
+    brute = sum(math.sqrt(float(fisher[n].reshape(-1)[i])) for n in bound
+                for i in range(fisher[n].numel()) if bound[n].reshape(-1)[i])
+    assert sums["sqrt_fs"] == pytest.approx(2 * brute) and sums["count"] == 25
+    assert sums["abs_g_hat"] == pytest.approx(sum(float(fisher[n][bound[n]].sum()) for n in bound))
+
+
+# --- the frozen teacher --------------------------------------------------------------------------------------
+
+
+def test_the_frozen_teacher_never_trains():
+    model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+    objective = OPDPGObjective(TeacherConfig(model="self", system_prompt=None, user_template="{prompt} 9 9"))
+    frozen = measures.freeze_teacher(objective, model, tok)
+    before = {n: p.detach().clone() for n, p in frozen.named_parameters()}
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prompts = [PromptRecord(i, f"{3 + i} {5 + i} 7", None, {}) for i in range(3)]
+    task = make_task(objective, Context(model, tok, "cpu"), prompts, 2, 4)
+    assert task.objective.teacher.model is frozen and frozen is not model
+    train(model, task, TrainConfig(3, "adamw", 0.05, 0.0, 0, 2, 2, 4, 8), progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in frozen.named_parameters())
+    assert any(not torch.equal(p, start[n]) for n, p in model.named_parameters())  # the student did train
+    assert not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_general_text_nll_is_the_mean_over_tokens():
+    model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+    text = " ".join(str(2 + i % 50) for i in range(40))
+    ids = tok(text)["input_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    brute = -float(logp.gather(-1, torch.tensor(ids[1:])[:, None]).mean())
+    assert measures.general_text_nll(model, tok, text, window=len(ids)) == pytest.approx(brute, rel=1e-5)
+
+
+# --- a whole study, tiny -------------------------------------------------------------------------------------
+
+
+def _records(n):
+    return [PromptRecord(i, " ".join(str(2 + (i * 7 + j) % 60) for j in range(3)), None,
+                         {"prompt": "", "answer": 5 + i % 3}) for i in range(n)]
+
+
+def _loader(tmp_path, protocol, records):
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": r.prompt, "response": str(r.fields["answer"])}) + "\n"
+                             for r in records))
+
+    def load(r):
+        splits = draw(records, protocol, r)
+        model, tok = tiny_model("llama-untied"), DemoTokenizer(64)
+        cal = calibrate(model, tok, splits["training"], SFTDemonstrationsObjective(demos), samples_per_prompt=2,
+                        max_new_tokens=3, seed=r, progress=False)
+        run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}],
+                       fingerprint=fingerprint(model), run_id=f"rep{r}")
+        return Replicate(r, run, model, tok, SFTDemonstrationsObjective(demos), splits,
+                         grad_estimate=cal.grad_estimate, general_text=" ".join(str(2 + i % 50) for i in range(60)))
+
+    return load
+
+
+def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
+    records = _records(12)
+    protocol = ProtocolV2("sft", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=3,
+                          budgets=(0.05,), arms=("bound", "random", "random_tensor_counts", "full"), grid_cap=5,
+                          steps=2, prompts_per_step=2, samples_per_prompt=1, max_new_tokens=3, bootstrap=200)
+    load = _loader(tmp_path, protocol, records)
+    first = run_study(protocol, tmp_path / "cells", load)
+    assert first["finished"] and first["computed"] > 0
+    again = run_study(protocol, tmp_path / "cells", load)
+    assert again["finished"] and again["computed"] == 0 and again["skipped"] == first["computed"]
+    record = read_outcomes(assemble(tmp_path / "cells", resamples=200))
+    assert record.protocol == OUTCOMES_PROTOCOL and record.kind == "sft"
+    assert set(record.arms) == {"start", "bound@0.05", "random@0.05", "random_tensor_counts@0.05", "full"}
+    for name in ("bound@0.05", "random@0.05", "full"):
+        arm = record.arms[name]
+        assert set(arm["replicates"]) == {0, 1} and arm["lr"] == first["lr_choices"][name]["chosen"]
+        rep = arm["replicates"][0]
+        assert len(rep["held_out_per_prompt"]) == 3 and "forgetting" in rep and "content_gain" in rep
+    assert record.arms["full"]["replicates"][1]["recovered"] == pytest.approx(1.0)
+    assert "bound@0.05 vs random@0.05" in record.paired["recovered"]
+    assert record.paired["recovered"]["bound@0.05 vs random@0.05"]["n"] == 2
+    assert set(record.on_edge()) <= set(record.lr_choices)
+    assert len(record.lr_choices["full"]["grid"]) >= 4
+    verdict = record.verdicts["0.05"]
+    assert verdict["best_peer"] in ("random", "random_tensor_counts") and verdict["n"] == 2
+    lo, hi = verdict["interval"]
+    assert verdict["verdict"] == ("wins" if lo > 0 else "loses" if hi < 0 else "ties")
+    assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None
+    table = "\n".join(record_markdown(record))
+    assert "| bound@0.05 |" in table and "bound@0.05 vs random@0.05" in table and "- trained:" in table
+    gain_vs_forgetting(tmp_path / "gain.png", record)
+    assert (tmp_path / "gain.png").stat().st_size > 0
+
+
+def test_replicates_draw_disjoint_splits_of_their_own():
+    records = _records(40)
+    protocol = ProtocolV2("sft", train_prompts=20, validation_prompts=8, heldout_prompts=8)
+    one, two = draw(records, protocol, 0), draw(records, protocol, 1)
+    assert [r.index for r in one["training"]] != [r.index for r in two["training"]]
+    assert not {r.index for r in one["training"]} & {r.index for r in one["held-out"]}
+    with pytest.raises(FisherSelectError, match="draws 36 prompts per replicate .* has 10"):
+        draw(records[:10], protocol, 0)
+    twice = records[:30] + [PromptRecord(30 + i, r.prompt.upper(), None, {}) for i, r in enumerate(records[:10])]
+    with pytest.raises(FisherSelectError, match="appear in more than one of training, validation, held-out"):
+        for r in range(20):  # some draw puts a repeat in two splits
+            draw(twice, protocol, r)
+
+
+def test_a_protocol_1_file_is_refused_with_one_clear_error(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"kind": "sft", "methods": {}, "full": {}}))
+    with pytest.raises(FisherSelectError, match="protocol 1 .* cannot be read as protocol 2; rebuild it"):
+        read_outcomes(path)
+    with pytest.raises(FisherSelectError, match="protocol 3"):
+        read_outcomes({"protocol": 3})
+
+
+@pytest.mark.slow  # about a minute: two real calibrations and the shipped prose scored with a 49k vocabulary
+def test_bench_v2_pilot_cells_resume_and_assemble(tmp_path, small_llama_dir, capsys):
+    """bench/outcomes.py --v2 on a small Llama: each replicate calibrates its own draw, a rerun computes
+    nothing, --assemble writes the protocol 2 record and its tables from the cells alone."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_outcomes", Path(__file__).parents[1] / "bench" / "outcomes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cells = tmp_path / "cells"
+    common = ["--v2", "--kind", "sft", "--cells", str(cells), "--model", str(small_llama_dir)]
+    study = [*common, "--recipe", "sft-demonstrations", "--replicates", "2", "--train-prompts", "4",
+             "--validation-prompts", "2", "--heldout-prompts", "2", "--arms", "bound", "random", "full",
+             "--budgets", "0.01", "--steps", "1", "--grid-cap", "5", "--prompts-per-step", "2",
+             "--samples-per-prompt", "1", "--max-new-tokens", "4"]
+    assert bench.main(study) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert first["finished"] and first["computed"] > 0
+    assert (cells / "runs" / "r0" / "report.json").is_file() and (cells / "runs" / "r1" / "report.json").is_file()
+    assert bench.main(study) == 0
+    again = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert again["computed"] == 0 and again["skipped"] == first["computed"]
+    out = tmp_path / "outcomes-sft.json"
+    assert bench.main([*common, "--assemble", "--json", str(out), "--plot", str(tmp_path / "gain.png")]) == 0
+    printed = capsys.readouterr().out
+    record = read_outcomes(out)
+    assert record.kind == "sft" and set(record.arms) == {"start", "bound@0.01", "random@0.01", "full"}
+    assert "| bound@0.01 |" in printed and "bound@0.01 vs random@0.01" in printed and "- trained:" in printed
+    answers = record.arms["full"]["replicates"]["0"]
+    assert len(answers["held_out_per_prompt"]) == 2 and "greedy_accuracy" in answers
+    assert (tmp_path / "gain.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kind", ["sft", "rl", "opd-pg"])
+def test_start_grids_have_four_points_spaced_by_sqrt_10_and_reach_1_for_small_masks(kind):
+    protocol = ProtocolV2(kind)
+    for arm, budget in protocol.cells():
+        grid = protocol.start_grid(arm, budget)
+        assert len(grid) >= 4 and all(b / a == pytest.approx(STEP) for a, b in zip(grid, grid[1:]))
+        if budget is not None and budget <= 1e-4:
+            assert max(grid) == pytest.approx(1.0)
+    plan = protocol.minimum_cells()
+    assert plan["pilot"] == sum(len(protocol.start_grid(a, b)) for a, b in protocol.cells())
+    assert plan["held_out"] == 6 * (len(protocol.cells()) + 1) and plan["calibrations"] == 6
+
+
+def _brute_greedy(model, ids, steps, eos):
+    """Greedy continuation by one full forward per token (fp64 argmax of the last position)."""
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1].double()
+        t = int(logits.argmax())
+        if t == eos:
+            break
+        out.append(t)
+    return out
+
+
+def test_answer_nll_and_greedy_correct_against_per_token_loops():
+    model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+    records = [PromptRecord(i, f"{3 + i} {7 + 2 * i} {11 + i}", None, {"answer": 20 + i}) for i in range(5)]
+    got = measures.answer_nll(model, tok, records, micro=2)  # micro-batches of unequal prompt lengths
+    for r, nll in zip(records, got):
+        ids = tok(r.prompt)["input_ids"] + [int(r.fields["answer"])]  # the answer is one token here
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, -1].double(), -1)
+        assert nll == pytest.approx(-float(logp[ids[-1]]), rel=1e-5)
+    greedy = [_brute_greedy(model, tok(r.prompt)["input_ids"], 4, tok.eos_token_id) for r in records]
+    assert sum(len(g) for g in greedy) > 5  # answers of several tokens: the batched loop is really compared
+    answers = [PromptRecord(r.index, r.prompt, None, {"answer": float(g[-1]) if g else -1.0})
+               for r, g in zip(records, greedy)]  # the greedy answer's last number is "right"
+    assert measures.greedy_correct(model, tok, answers, 4, micro=2) == [1.0 if g else 0.0 for g in greedy]
+    wrong = [PromptRecord(r.index, r.prompt, None, {"answer": 999}) for r in records]
+    assert measures.greedy_correct(model, tok, wrong, 4) == [0.0] * 5
+
+
+def test_sft_training_logs_the_batch_nll_without_a_second_forward(tmp_path):
+    """The per-step outcome of SFT is the loss (mean NLL per demonstration row at the step's parameters):
+    the same number a separate no-grad pass gives, at one forward per micro-batch."""
+    model, tok = tiny_model("llama-untied"), DemoTokenizer(64)
+    records = _records(6)
+    demos = tmp_path / "d.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": r.prompt, "response": f"{r.fields['answer']} 9"}) + "\n"
+                             for r in records))
+    task = make_task(SFTDemonstrationsObjective(demos), Context(model, tok, "cpu"), records, 2, 4)
+    forwards = []
+    handle = model.register_forward_hook(lambda *a: forwards.append(1))
+    from fisher_select.studies.loop import Streams
+
+    rows = task.batch(2, Streams.from_seed(0, "cpu")).rows  # the rows step 0 of seed 0 will see
+    task.restart()
+    brute = -task._logprob_sum(rows) / len(rows)
+    forwards.clear()
+    log = train(model, task, TrainConfig(1, "sgd", 0.1, 0.0, 0, 2, 2, 4, 8), progress=False)
+    handle.remove()
+    assert log[0]["outcome"] == pytest.approx(brute, rel=1e-6) and log[0]["outcome"] == log[0]["loss"]
+    assert len(forwards) == 1  # 4 rows, micro-batch 8: one forward, the backward's
+
+
+def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares(tmp_path):
+    records = _records(10)
+    protocol = ProtocolV2("opd-pg", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=2,
+                          budgets=(0.05,), arms=("bound", "full"), grid_cap=5, steps=1, prompts_per_step=2,
+                          samples_per_prompt=2, max_new_tokens=3, bootstrap=100)
+    teachers = []
+
+    def load(r):
+        splits = draw(records, protocol, r)
+        model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+        objective = OPDPGObjective(TeacherConfig(model="self", system_prompt=None, user_template="{prompt} 9"))
+        fisher = {n: torch.rand(p.shape, generator=torch.Generator().manual_seed(r)) for n, p in
+                  model.named_parameters()}
+        run = make_run(fisher, objectives=[{"name": "opd-pg", "signal_scale": 2.0}], fingerprint=fingerprint(model),
+                       run_id=f"rep{r}")
+        teachers.append(objective)
+        return Replicate(r, run, model, tok, objective, splits, general_text="3 4 5 6 7 8 9 10 11 12")
+
+    done = run_study(protocol, tmp_path / "cells", load)
+    assert done["finished"]
+    assert all(isinstance(o.spec.model, torch.nn.Module) and not any(p.requires_grad for p in o.spec.model.parameters())
+               for o in teachers)  # every replicate's teacher is a frozen copy
+    record = read_outcomes(assemble(tmp_path / "cells", resamples=100))
+    assert record.noise_floor is not None and record.noise_floor["n"] == 2
+    assert 0.0 <= record.training_rows["signal_share"] <= 1.0 and record.training_rows["finished_share"] is not None
+    sums = record.arms["bound@0.05"]["replicates"][0]["mask_sums"]
+    assert sums["sqrt_fs"] == pytest.approx(sums["sqrt_f"] * math.sqrt(2.0)) and sums["abs_g_hat"] is None
