@@ -16,7 +16,7 @@ from scipy import stats as sps
 from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.objectives import OPDPGObjective, SFTDemonstrationsObjective
 from fisher_select.calibration.prompts import PromptRecord
-from fisher_select.calibration.settings import TeacherConfig
+from fisher_select.calibration.config import TeacherConfig
 from fisher_select.errors import FisherSelectError
 from fisher_select.models import fingerprint
 from fisher_select.run.outcomes import OUTCOMES_PROTOCOL, read_outcomes

@@ -23,7 +23,7 @@ from fisher_select.calibration.objectives.base import ScoringRow
 from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.rewards import last_number
 from fisher_select.calibration.sampling import eos_ids_of, left_pad, pad_id_of, pad_rows
-from fisher_select.calibration.settings import SELF
+from fisher_select.calibration.config import SELF
 from fisher_select.calibration.teachers import Teacher, TeacherConfig
 from fisher_select.engine.logprob import forward_logits, response_logprobs
 
