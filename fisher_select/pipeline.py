@@ -11,9 +11,10 @@ from fisher_select.calibration.calibrator import Calibration, calibrate, resolve
 from fisher_select.calibration.checkpoint import CheckpointConfig
 from fisher_select.calibration.checkpoint import finish as finish_checkpoint
 from fisher_select.calibration import fsdp
-from fisher_select.calibration.prompts import load_prompts
+from fisher_select.calibration.prompts import load_prompts, render_prompt
 from fisher_select.calibration.rollouts import load_rollouts
 from fisher_select.calibration.config import SamplingConfig
+from fisher_select.calibration.sampling import pad_id_of
 from fisher_select.recipe import RecipeConfig, build_objectives, recipe_to_dict
 from fisher_select.errors import DegenerateResultWarning
 from fisher_select.distributed import init_from_env, rank_world
@@ -61,8 +62,8 @@ def run_recipe(recipe: RecipeConfig, out: str | Path, *, overwrite: bool = False
     model_fingerprint = fingerprint(model)
     clock.lap("model_load")
     log(f"model loaded: {recipe.model} ({model_fingerprint['num_parameters']:,} parameters) on {device}")
-    if recipe.shard == "fsdp":  # after the fingerprint, which reads every full weight
-        model = fsdp.wrap(model)
+    if recipe.shard == "fsdp":  # after the fingerprint, which reads every full weight; the rules checked first
+        model = fsdp.wrap(model, [render_prompt(tokenizer, r) for r in prompts[:2]], pad_id_of(model, tokenizer))
     # Now the size is known: refuse a disk without room for the run before sampling, not after.
     check_writable(out.parent, run_bytes(model_fingerprint["num_parameters"], len(objectives)))
     ckpt = CheckpointConfig(checkpoint_folder(out), recipe.checkpoint_every, resume, discard_existing=overwrite,

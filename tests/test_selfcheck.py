@@ -11,10 +11,14 @@ import torch
 from torch import nn
 
 from fisher_select import FisherSelectError, plan_coverage
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.objectives import RLObjective
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.engine.memory import ACCUMULATORS
 from fisher_select.engine.rules import registry
 from fisher_select.engine.rules.linear import LinearRule
 from fisher_select.engine.selfcheck import FALLBACK, TOLERANCE, check_rules, rule_names
-from tests.tiny import random_batch, tiny_model
+from tests.tiny import TinyTokenizer, random_batch, tiny_model
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2", "llama-fallback", "linear-called-twice"])
@@ -134,3 +138,47 @@ def test_catches_the_plain_embedding_rule_on_gemmas_scaled_embedding(dtype):
             check_rules(model, ids, attn, resp)
     finally:
         registry._BY_CLASS[Gemma3TextScaledWordEmbedding] = saved
+
+
+# ---- calibrate() runs the self-check on its first batch in every accumulator mode --------------------------------
+
+CAL_PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 9", "3 3"])]
+
+
+def _reward(record, text):
+    return float(len(text) % 2)  # varies within a prompt's responses: a nonzero signal
+
+
+def _calibrate(model, **kw):
+    return calibrate(model, TinyTokenizer(64), CAL_PROMPTS, RLObjective(_reward), samples_per_prompt=2,
+                     max_new_tokens=3, seed=3, batch_size=4, stability=False, progress=False, **kw)
+
+
+@pytest.mark.parametrize("mode", ACCUMULATORS)
+def test_calibrate_refuses_a_wrong_rule_in_every_accumulator_mode(wrong_rule, mode):
+    """The bug of issue 30: outside accumulators=full nothing compared the rules with autograd."""
+    model = _with_offset_linear(tiny_model("llama-untied"), "model.layers.0.mlp.gate_proj")
+    with pytest.raises(FisherSelectError) as err:
+        _calibrate(model, accumulators=mode)
+    message = str(err.value)
+    assert "model.layers.0.mlp.gate_proj.weight (module 'model.layers.0.mlp.gate_proj'" in message
+    assert "OffsetLinear" in message and "LinearRule" in message and "up_proj" not in message
+
+
+@pytest.mark.parametrize("mode", ACCUMULATORS)
+def test_calibrate_records_the_selfcheck_in_every_accumulator_mode(mode):
+    model = tiny_model("llama-untied")
+    cal = _calibrate(model, accumulators=mode)
+    got = cal.checks["selfcheck"]
+    assert got["rows"] == 2 and got["parameters"] == len(plan_coverage(model).users) > 0
+    assert 0 < got["max_relative_error"] <= got["tolerance"] == TOLERANCE[torch.float32]
+    assert ("autograd" in cal.checks) == (mode == "full")  # the score sums' check, as before
+    assert cal.objectives[0].signal_scale > 0  # the first batch's signal was not zero: its sums were compared too
+
+
+@pytest.mark.filterwarnings("ignore::fisher_select.errors.DegenerateResultWarning")  # S does not matter here
+def test_calibrate_checks_only_the_modules_it_keeps_and_verify_false_skips(wrong_rule):
+    model = _with_offset_linear(tiny_model("llama-untied"), "model.layers.0.mlp.gate_proj")
+    cal = _calibrate(model, accumulators="fisher", modules=r"layers\.1\.mlp")
+    assert cal.checks["selfcheck"]["parameters"] == 3  # gate, up, down of layer 1; the wrong layer is not kept
+    assert "selfcheck" not in _calibrate(model, verify=False).checks

@@ -43,7 +43,11 @@ from fisher_select.engine.memory import MemoryMode
 from fisher_select.engine.reference import verify_against_autograd  # noqa: F401  (its old home; tests import it)
 from fisher_select.engine.rules import guard_model
 from fisher_select.engine.scoring import Coverage, ScoreSums, plan_coverage
+from fisher_select.engine.selfcheck import check_rules
 from fisher_select.errors import DegenerateResultWarning, FisherSelectError
+
+
+SELFCHECK_ROWS = 2  # rows of the first batch the rules are checked on: a backward each
 
 
 def calibrate(
@@ -74,9 +78,12 @@ def calibrate(
     check its data against the prompts; raise FisherSelectError). An objective with
     ``extra_rows(ctx)`` (SFT from demonstrations) gets those rows scored here, with this
     calibration's coverage, and ``extra_result(mean_score, fisher)`` turns their mean score into
-    its gradient estimate and summary fields. ``verify`` compares the engine's score sums with
-    plain autograd on the first batch (catches a parameter used outside its module, which no
-    hook could see). What a reduced memory mode lacks is listed in ``checks["memory"]["missing"]``
+    its gradient estimate and summary fields. ``verify`` checks the engine against plain autograd
+    on the first batch scored: the rules' per-sample sums on its first rows (``checks["selfcheck"]``,
+    ``engine.selfcheck``: every memory mode; under ``shard: fsdp`` ``calibration.fsdp.wrap`` runs it
+    before sharding), and with ``accumulators=full`` its score sums too (``checks["autograd"]``:
+    catches a parameter used outside its module, which no hook could see); a mismatch is one error
+    naming the module. What a reduced memory mode lacks is listed in ``checks["memory"]["missing"]``
     (report warnings), never a crash.
     ``rollouts`` (``rollouts.load_rollouts``): score these responses instead of sampling; their prompts
     and K replace ``prompts`` and ``samples_per_prompt`` (``checks["rollouts"]``: the on-policy check).
@@ -177,7 +184,9 @@ class _Calibrator:
         pad = pad_id_of(model, tokenizer)
         self.parallel = parallel.choose(model, config, objectives, checkpoint, cov=self.cov, memory=self.memory,
                                         engine=self.engine, device=self.device, score_rows=self.score_rows, pad=pad)
-        self.verify = verify and self.parallel.verifies
+        self.verify = verify
+        if verify and not self.parallel.verifies and self.parallel.selfcheck() is not None:
+            self.checks["selfcheck"] = self.parallel.selfcheck()  # fsdp: checked on the full model before sharding
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(config.seed,
                                                                                        self.parallel.rank))
         self.groups = Groups(model, tokenizer, k=self.k, max_new_tokens=config.max_new_tokens,
@@ -348,15 +357,19 @@ class _Calibrator:
             self.sums = self.parallel.add(None if batch is None else batch.rows, signal, self.sums)
         if batch is None:
             return
-        if first and self.verify:
-            self._first_batch_check(batch)
+        if first and self.verify and self.parallel.verifies:
+            self._first_batch_check(batch, signal)
         if self.token is not None:
             token_signals = [[t for s in batch.signals[i] for t in s.token_signal] for i in self.token_index]
             self.token.add(*batch.rows, token_signals)
 
-    def _first_batch_check(self, batch: Batch) -> None:
-        """The first batch's score sums against plain autograd (``engine.reference``): a parameter used outside
-        its module, which no hook sees, is one clear error before the rest of the pass."""
+    def _first_batch_check(self, batch: Batch, signal: torch.Tensor | None) -> None:
+        """The first batch against plain autograd, one clear error naming the module before the rest of the pass:
+        the rules' per-sample sums on its first rows with the objectives' signal (``engine.selfcheck``, every
+        memory mode), and its score sums (``engine.reference``: a parameter used outside its module, which no
+        hook sees; ``full`` alone keeps them)."""
+        self.checks["selfcheck"] = check_rules(self.model, *batch.rows, rows=SELFCHECK_ROWS, signal=signal,
+                                               coverage=self.cov)
         if self.sums.total is not None:  # the gradient / fisher memory modes keep no score sums to compare
             self.checks["autograd"] = verify_against_autograd(self.model, *batch.rows, self.sums, self.cov,
                                                               self.max_tokens)

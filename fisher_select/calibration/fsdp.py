@@ -25,8 +25,18 @@ from fisher_select.engine.scoring import Coverage, ScoreSums
 from fisher_select.errors import FisherSelectError
 
 
-def wrap(model: nn.Module) -> nn.Module:
-    """``fully_shard`` every decoder layer, then the root, on a 1-D mesh over all ranks (in place; frozen)."""
+SELFCHECK = "_fisher_select_selfcheck"  # where ``wrap`` leaves the rules' check for ``calibrate`` (checks.selfcheck)
+
+
+def wrap(model: nn.Module, prompts: list[list[int]] | None = None, pad_id: int = 0, verify: bool = True) -> nn.Module:
+    """``fully_shard`` every decoder layer, then the root, on a 1-D mesh over all ranks (in place; frozen).
+
+    First, while the full weights exist, the rules are checked against plain autograd
+    (``engine.selfcheck``) on the first two of ``prompts`` (token ids, left-padded with ``pad_id``;
+    their second halves as responses; None: two fixed rows of the vocabulary): a mismatch raises on
+    every rank with the module named, before any sharding. ``verify=False`` skips it (as
+    ``calibrate(verify=False)``). The result goes into the calibration's ``checks["selfcheck"]``.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -38,6 +48,7 @@ def wrap(model: nn.Module) -> nn.Module:
     if world < 2:
         raise FisherSelectError("--shard fsdp (calibration.fsdp.wrap) shards over the ranks of a launcher: run it "
                                 "under torchrun with --nproc_per_node 2 or more (one process: drop --shard)")
+    checked = _check_rules(model, prompts, pad_id) if verify else None  # the same rows and weights on every rank
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (world,))
     for p in model.parameters():  # FSDP2's unsharded copies take requires_grad once, at their first forward (the
@@ -45,7 +56,30 @@ def wrap(model: nn.Module) -> nn.Module:
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if checked is not None:
+        setattr(model, SELFCHECK, checked)
     return model
+
+
+def _check_rules(model: nn.Module, prompts: list[list[int]] | None, pad_id: int) -> dict:
+    """``engine.selfcheck.check_rules`` on two rows: the first prompts of two or more tokens, left-padded, their
+    second halves the responses (None or none long enough: two fixed rows of token ids 1..7)."""
+    from fisher_select.calibration.sampling import left_pad
+    from fisher_select.engine.selfcheck import check_rules
+
+    rows = [p for p in (prompts or []) if len(p) >= 2][:2] or [[1, 2, 3, 4, 5, 6, 7], [3, 5, 7, 2]]
+    device = next(model.parameters()).device
+    ids, mask = left_pad(rows, pad_id, device)  # (2, T) each
+    width = ids.shape[1]
+    resp = torch.zeros_like(ids, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        resp[b, width - len(r) + len(r) // 2 :] = True
+    was_training = model.training
+    model.eval()  # as calibrate scores: no dropout makes the engine's pass and autograd's differ
+    try:
+        return check_rules(model, ids, mask, resp, rows=len(rows))
+    finally:
+        model.train(was_training)
 
 
 def problems(model: nn.Module, config, objectives, checkpoint) -> list[str]:

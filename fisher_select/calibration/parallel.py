@@ -116,9 +116,10 @@ class DataParallel(Single):
         if loop.token is not None:
             loop.token.merge_ranks()
         merge_records(loop)
-        checks = [c for c in gather_objects(loop.checks.get("autograd")) if c]
-        if checks:
-            loop.checks["autograd"] = max(checks, key=lambda c: c["max_relative_error"])
+        for name in ("autograd", "selfcheck"):  # each rank checked its own first batch: the worst one stands
+            checks = [c for c in gather_objects(loop.checks.get(name)) if c]
+            if checks:
+                loop.checks[name] = max(checks, key=lambda c: c["max_relative_error"])
         if loop.stability is not None:
             loop.stability.merge_ranks()
         return True
@@ -141,6 +142,10 @@ class Fsdp(Single):
                                   objectives=objectives if memory.signals else None, totals=memory.totals,
                                   params=keep)
         self.lockstep = fsdp.Lockstep(model, pad)
+
+    def selfcheck(self) -> dict | None:
+        """The rules' check ``fsdp.wrap`` ran on the full model before sharding (None: it did not run)."""
+        return getattr(self.model, fsdp.SELFCHECK, None)
 
     def batch_count(self, all_prompts: list, per_batch: int) -> int | None:
         """Rank 0's count (the most prompts) on every rank: a rank past its own prompts joins with none."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fisher_select.engine.scoring import ScoreSums
+from fisher_select.engine.selfcheck import rule_names
 from fisher_select.stats.bounds import BoundsView
 from fisher_select.stats.conformity import ScoreMeanConformity, score_mean_conformity
 from fisher_select.stats.naming import module_of
@@ -89,7 +90,7 @@ def build_result(loop, num_prompts: int, extra: list[dict | None]) -> tuple[Cali
     total = sums.total or {}  # no score sums in the gradient / fisher memory modes
     score_mean = {name: t / n for name, t in total.items()}
     results = [_objective_result(loop, i, fisher, mean) for i, mean in enumerate(extra)]
-    coverage = loop.cov.summary()
+    coverage = {**loop.cov.summary(), "parameter_rules": rule_names(loop.cov)}  # each parameter's rule or "fallback"
     conformity = None
     if total:  # the score-mean check: E[h] = 0 under the model (the report shows the whole check)
         heavy = {name for name in fisher if module_of(name) in set(coverage.get("embeddings") or [])}

@@ -7,7 +7,7 @@ what fits beside the weights (fp32: 4 bytes per parameter coordinate each):
 - ``full``: squares (F), one signal sum per objective (g), score sums (the score-mean check and
   the autograd check of the first batch): ``4 * (2 + O)`` bytes per parameter.
 - ``gradient``: squares and signal sums, no score sums: ``4 * (1 + O)``; no score-mean check,
-  no autograd check.
+  no autograd check of the score sums (the rules' self-check, ``engine.selfcheck``, still runs).
 - ``fisher``: squares only, ``4`` bytes per parameter: F and the bounds (which need only F and
   S), no gradient estimate g, no checks that need score sums.
 
@@ -91,8 +91,9 @@ class MemoryMode:
         out = []
         if not self.totals:
             out.append(f"accumulators={self.accumulators}: no score sums were kept, so the score-mean check "
-                       "and the autograd check of the engine did not run; run once with accumulators=full "
-                       "(e.g. on fewer prompts) to check the sampling and the engine on this model")
+                       "and the autograd check of the first batch's score sums did not run (the rules' "
+                       "self-check did: checks.selfcheck); run once with accumulators=full (e.g. on fewer "
+                       "prompts) to check the sampling and the engine on this model")
         if not self.signals:
             out.append("accumulators=fisher: no signal sums were kept, so no gradient estimate g was written "
                        "(its grad_estimate files are empty) and no bound-to-gradient ratios were computed; "

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from fisher_select.report import outcomes_section, validation_section
 from fisher_select.report.statistics import ReportStatistics
-from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
-                                       ranked_modules, scale_text, uncertainty_of, verdict_lines)
+from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, coverage_text, fallback_rows, fmt,
+                                       module_cells, pct, ranked_modules, scale_text, selfcheck_text, uncertainty_of,
+                                       verdict_lines)
 from fisher_select.run.schema import RunReport
 
 TOP_MODULES = 30
@@ -32,11 +33,18 @@ def markdown_text(report: RunReport, validations=(), outcomes=()) -> str:
             f"sampling {report.sampling.get('method', 'ancestral')} at temperature "
             f"{report.sampling.get('temperature', 1.0)}; truncated: {pct(report.truncation_rate)}. "
             f"Autograd check: max relative error {fmt(report.checks.get('autograd', {}).get('max_relative_error'))}."]
-    out += _objectives(report, stats) + _conformity(stats) + _stability(stats) + _concentration(stats)
+    out += _coverage(report) + _objectives(report, stats) + _conformity(stats) + _stability(stats) + _concentration(stats)
     out += _ratios(stats) + _signals(stats) + _modules(report)
     out += validation_section.markdown_lines(list(validations))  # RUN/validation-*/validation.json
     out += outcomes_section.markdown_lines(list(outcomes))  # RUN/outcomes-*/outcomes.json
     return "\n".join(out) + "\n"
+
+
+def _coverage(report) -> list[str]:
+    """The rules' self-check, the parameters per rule, and every fallback parameter with its module's class."""
+    out = ["", "## Rule coverage", "", selfcheck_text(report), "", coverage_text(report)]
+    rows = fallback_rows(report)
+    return out + (["", "Parameters on the fallback:", ""] + _table(["parameter", "module class"], rows) if rows else [])
 
 
 def _objectives(report, stats) -> list[str]:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from fisher_select.report import outcomes_section, plots, validation_section
 from fisher_select.report.statistics import ReportStatistics
-from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, fmt, module_cells, pct,
-                                       ranked_modules, verdict_lines)
+from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, coverage_text, fallback_rows, fmt,
+                                       module_cells, pct, ranked_modules, selfcheck_text, verdict_lines)
 from fisher_select.run.schema import RunReport
 
 TOP_MODULES = 30
@@ -61,7 +61,7 @@ def page_html(report: RunReport, samples: list[dict], validations=(), outcomes=(
             f'<div class="caveat"><b>What these numbers do not promise</b>{_list(caveat_block(report))}</div>']
     if report.warnings:
         body.append(f'<div class="warn"><b>Warnings about this run</b>{_list(report.warnings)}</div>')
-    body += [_run_section(report), _objectives_section(report, stats), _statistics_section(stats),
+    body += [_run_section(report), _coverage_section(report), _objectives_section(report, stats), _statistics_section(stats),
              _modules_section(report), validation_section.html_section(list(validations)),
              outcomes_section.html_section(list(outcomes), run_dir), "<h2>Plots</h2>"]
     body += [f'<figure id="{p.key}"><h3>{_e(p.title)}</h3><img alt="{_e(p.title)}" src="{p.data_uri}">'
@@ -86,6 +86,19 @@ def _run_section(report: RunReport) -> str:
     recipe = json.dumps(report.config, indent=2, default=str) if report.config else "n/a"
     return (f"<h2>Run</h2>{_table(['', ''], rows)}<details><summary>Resolved recipe</summary>"
             f"<pre>{_e(recipe)}</pre></details>")
+
+
+def _coverage_section(report: RunReport) -> str:
+    """The rules' self-check, the parameters per rule, every fallback parameter, and each parameter's rule."""
+    out = f"<h2>Rule coverage</h2><p>{_e(selfcheck_text(report))}</p><p>{_e(coverage_text(report))}</p>"
+    rows = fallback_rows(report)
+    if rows:
+        out += "<p>Parameters on the fallback:</p>" + _table(["parameter", "module class"], rows)
+    every = report.coverage.get("parameter_rules")
+    if every:
+        out += ("<details><summary>Each parameter's rule</summary>"
+                + _table(["parameter", "rule"], [[n, r] for n, r in every.items()]) + "</details>")
+    return out
 
 
 def _objectives_section(report: RunReport, stats: ReportStatistics) -> str:

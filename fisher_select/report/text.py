@@ -222,3 +222,29 @@ def _what_to_change(report: RunReport, stats: ReportStatistics) -> str:
     if not advice:
         return "What to change: nothing this report flags."
     return "What to change: " + "; ".join(advice) + "."
+
+
+def selfcheck_text(report: RunReport) -> str:
+    """The rules' self-check against autograd (``checks.selfcheck``) in one sentence."""
+    c = report.checks.get("selfcheck")
+    if not c:
+        return "Rule self-check: not run (calibrate(verify=False), or a run from an older release)."
+    return (f"Rule self-check (the engine's per-sample sums against autograd on {c.get('rows')} rows of the first "
+            f"batch): max relative error {fmt(c.get('max_relative_error'))} (tolerance {fmt(c.get('tolerance'))}) "
+            f"over {c.get('parameters')} rule-covered parameters.")
+
+
+def fallback_rows(report: RunReport) -> list[list[str]]:
+    """[parameter, its module's class] for every parameter on the exact per-sample fallback (``coverage.fallback``)."""
+    types = report.coverage.get("module_types") or {}
+    return [[n, types.get(n.rpartition(".")[0], "?")] for n in report.coverage.get("fallback") or []]
+
+
+def coverage_text(report: RunReport) -> str:
+    """How many parameters each rule covers, and how many are on the fallback (named by ``fallback_rows``)."""
+    rules = report.coverage.get("rules") or {}
+    counted = ", ".join(f"{rule} {n}" for rule, n in sorted(rules.items())) or "none"
+    fallback = len(report.coverage.get("fallback") or [])
+    tail = (f"{fallback} on the exact per-sample fallback (one backward per sample: exact, slower), listed below."
+            if fallback else "none on the fallback.")
+    return f"Parameters per rule: {counted}; {tail} Each parameter's rule is in report.json (coverage.parameter_rules)."
