@@ -27,6 +27,7 @@ from fisher_select.calibration.checkpoint import CheckpointConfig
 from fisher_select.calibration.objectives import RLObjective
 from fisher_select.calibration.prompts import PromptRecord
 from fisher_select.calibration.config import CalibrationConfig
+from fisher_select.engine.scoring import plan_coverage
 from fisher_select.errors import FisherSelectError
 from tests.tiny import TinyTokenizer, free_port, tiny_model
 
@@ -172,7 +173,28 @@ def _job_lockstep(out: Path) -> dict:
     return {"dummies": step.dummies}
 
 
-JOBS = {"equal": _job_equal, "resume": _job_resume, "lockstep": _job_lockstep}
+def _job_selfcheck(out: Path) -> dict:
+    """The rules' self-check under FSDP: a correct model's is recorded; a wrong rule is refused by fsdp.wrap on
+    every rank, before sharding, with the module named (the CLI wraps with the first prompts)."""
+    from fisher_select.calibration import fsdp
+    from fisher_select.engine.rules import registry
+    from fisher_select.engine.rules.linear import LinearRule
+    from tests.test_selfcheck import OffsetLinear, _with_offset_linear
+
+    cal = _calibrate(_fsdp_model(), shard="fsdp", **CASES["whole"])
+    runs = {"checks": None if cal is None else cal.checks}
+    registry._BY_CLASS[OffsetLinear] = LinearRule()  # registered by mistake: the Linear rule misses its factor 2
+    try:
+        fsdp.wrap(_with_offset_linear(tiny_model("llama-tied"), "model.layers.1.mlp.down_proj"), [[3, 4, 5], [7, 2]])
+        runs["wrong"] = "wrapped"
+    except FisherSelectError as exc:
+        runs["wrong"] = str(exc)
+    finally:
+        del registry._BY_CLASS[OffsetLinear]
+    return runs
+
+
+JOBS = {"equal": _job_equal, "resume": _job_resume, "lockstep": _job_lockstep, "selfcheck": _job_selfcheck}
 
 
 def _worker(rank, world, port, out, jobs):
@@ -211,7 +233,7 @@ def two_ranks(tmp_path_factory):
                        checkpoint=CheckpointConfig(out / "one.checkpoint", every=1, model_id=MODEL_ID))
     finally:
         undo()
-    return out, _spawn(2, out, "equal", "resume", "lockstep")
+    return out, _spawn(2, out, "equal", "resume", "lockstep", "selfcheck")
 
 
 def _check_equal(ranks):
@@ -263,6 +285,19 @@ def test_fsdp_interrupted_then_resumed_equals_the_uninterrupted_run(two_ranks):
     with pytest.raises(FisherSelectError, match="differs in fsdp_ranks"):
         _calibrate(tiny_model("llama-tied"), **ONE, checkpoint=CheckpointConfig(
             out / "copy.checkpoint", every=1, resume=True, model_id=MODEL_ID))
+
+
+def test_fsdp_runs_the_rules_selfcheck_before_sharding(two_ranks):
+    """Issue 30: under --shard fsdp nothing compared the rules with autograd; now fsdp.wrap does, on the full model."""
+    ranks = two_ranks[1]
+    got = ranks[0]["selfcheck"]["checks"]["selfcheck"]
+    assert ranks[1]["selfcheck"]["checks"] is None  # rank 0 alone holds the result
+    assert got["on"] == "first prompts, before sharding" and got["rows"] == 2
+    assert got["parameters"] == len(plan_coverage(tiny_model("llama-tied")).users)
+    assert 0 < got["max_relative_error"] <= got["tolerance"]
+    for r in ranks:  # every rank refuses, so none waits in a collective for the others
+        assert "model.layers.1.mlp.down_proj.weight (module 'model.layers.1.mlp.down_proj'" in r["selfcheck"]["wrong"]
+        assert "OffsetLinear" in r["selfcheck"]["wrong"] and "LinearRule" in r["selfcheck"]["wrong"]
 
 
 def test_fsdp_refusals_say_what_where_and_what_to_do(monkeypatch):

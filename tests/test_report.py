@@ -446,3 +446,35 @@ def test_verdict_comes_first_and_names_modules_certainty_and_advice(tiny_runs):
     html = (tiny_runs[0] / "report.html").read_text()
     assert md.index("## Verdict") < md.index("## What these numbers do not promise")
     assert html.index("Verdict") < html.index("What these numbers do not promise")
+
+
+# ---------------------------------------------------------------------------
+# Rule coverage: each parameter's rule, every fallback named
+
+
+class HalvedLinear(nn.Linear):
+    """A subclass whose forward computes something else, with no rule of its own: the exact fallback's."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_report_lists_each_parameters_rule_and_names_every_fallback(tmp_path, tiny_runs):
+    model = tiny_model("llama-tied")
+    old = model.model.layers[0].mlp.up_proj
+    model.model.layers[0].mlp.up_proj = HalvedLinear(old.in_features, old.out_features, bias=False)
+    model.model.layers[0].mlp.up_proj.load_state_dict(old.state_dict())
+    _, cal = _tiny_calibration(stability=False, model=model)
+    run = write_run_with_pages(tmp_path / "run", cal, _report(cal), overwrite=False)
+    data = json.loads((run / "report.json").read_text())
+    fallback = "model.layers.0.mlp.up_proj.weight"
+    rules = data["coverage"]["parameter_rules"]
+    assert list(rules) == [n for n, _ in model.named_parameters()]
+    assert [n for n, r in rules.items() if r == "fallback"] == data["coverage"]["fallback"] == [fallback]
+    assert rules["model.layers.0.mlp.down_proj.weight"] == "LinearRule"  # its parent class's rule stays on Linear
+    assert data["checks"]["selfcheck"]["parameters"] == len(rules) - 1  # the fallback is autograd already
+    md, page = (run / "report.md").read_text(), (run / "report.html").read_text()
+    assert f"| {fallback} | HalvedLinear |" in md and "1 on the exact per-sample fallback" in md
+    assert f"<td>{fallback}</td><td>HalvedLinear</td>" in page and "Rule self-check" in page
+    plain = (tiny_runs[0] / "report.md").read_text()
+    assert "none on the fallback" in plain and "HalvedLinear" not in plain and "Rule self-check" in plain

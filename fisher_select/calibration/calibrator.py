@@ -368,8 +368,8 @@ class _Calibrator:
         the rules' per-sample sums on its first rows with the objectives' signal (``engine.selfcheck``, every
         memory mode), and its score sums (``engine.reference``: a parameter used outside its module, which no
         hook sees; ``full`` alone keeps them)."""
-        self.checks["selfcheck"] = check_rules(self.model, *batch.rows, rows=SELFCHECK_ROWS, signal=signal,
-                                               coverage=self.cov)
+        self.checks["selfcheck"] = {**check_rules(self.model, *batch.rows, rows=SELFCHECK_ROWS, signal=signal,
+                                                  coverage=self.cov), "on": "first batch"}
         if self.sums.total is not None:  # the gradient / fisher memory modes keep no score sums to compare
             self.checks["autograd"] = verify_against_autograd(self.model, *batch.rows, self.sums, self.cov,
                                                               self.max_tokens)

@@ -77,7 +77,7 @@ def _check_rules(model: nn.Module, prompts: list[list[int]] | None, pad_id: int)
     was_training = model.training
     model.eval()  # as calibrate scores: no dropout makes the engine's pass and autograd's differ
     try:
-        return check_rules(model, ids, mask, resp, rows=len(rows))
+        return {**check_rules(model, ids, mask, resp, rows=len(rows)), "on": "first prompts, before sharding"}
     finally:
         model.train(was_training)
 
