@@ -33,7 +33,8 @@ def markdown_text(report: RunReport, validations=(), outcomes=()) -> str:
             f"sampling {report.sampling.get('method', 'ancestral')} at temperature "
             f"{report.sampling.get('temperature', 1.0)}; truncated: {pct(report.truncation_rate)}. "
             f"Autograd check: max relative error {fmt(report.checks.get('autograd', {}).get('max_relative_error'))}."]
-    out += _coverage(report) + _objectives(report, stats) + _conformity(stats) + _stability(stats) + _concentration(stats)
+    out += _coverage(report) + _objectives(report, stats) + _conformity(stats) + _stability(stats)
+    out += _concentration(stats)
     out += _ratios(stats) + _signals(stats) + _modules(report)
     out += validation_section.markdown_lines(list(validations))  # RUN/validation-*/validation.json
     out += outcomes_section.markdown_lines(list(outcomes))  # RUN/outcomes-*/outcomes.json

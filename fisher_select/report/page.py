@@ -61,8 +61,8 @@ def page_html(report: RunReport, samples: list[dict], validations=(), outcomes=(
             f'<div class="caveat"><b>What these numbers do not promise</b>{_list(caveat_block(report))}</div>']
     if report.warnings:
         body.append(f'<div class="warn"><b>Warnings about this run</b>{_list(report.warnings)}</div>')
-    body += [_run_section(report), _coverage_section(report), _objectives_section(report, stats), _statistics_section(stats),
-             _modules_section(report), validation_section.html_section(list(validations)),
+    body += [_run_section(report), _coverage_section(report), _objectives_section(report, stats),
+             _statistics_section(stats), _modules_section(report), validation_section.html_section(list(validations)),
              outcomes_section.html_section(list(outcomes), run_dir), "<h2>Plots</h2>"]
     body += [f'<figure id="{p.key}"><h3>{_e(p.title)}</h3><img alt="{_e(p.title)}" src="{p.data_uri}">'
              f"<figcaption>{_e(p.caption)}</figcaption></figure>" for p in figures]

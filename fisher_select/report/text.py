@@ -230,7 +230,8 @@ def selfcheck_text(report: RunReport) -> str:
     if not c:
         return "Rule self-check: not run (calibrate(verify=False), or a run from an older release)."
     return (f"Rule self-check (the engine's per-sample sums against autograd on {c.get('rows')} rows, "
-            f"{c.get('on', 'first batch')}): max relative error {fmt(c.get('max_relative_error'))} (tolerance {fmt(c.get('tolerance'))}) "
+            f"{c.get('on', 'first batch')}): max relative error {fmt(c.get('max_relative_error'))} "
+            f"(tolerance {fmt(c.get('tolerance'))}) "
             f"over {c.get('parameters')} rule-covered parameters.")
 
 
