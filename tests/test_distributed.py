@@ -40,7 +40,7 @@ def _worker(rank, world, port, out):
         cal = _calibrate(PROMPTS, SEED)
         if rank == 0:
             torch.save({"fisher": cal.fisher, "grad": cal.grad_estimate, "S": cal.signal_scale,
-                        "n": cal.num_samples, "samples": len(cal.samples)}, out)
+                        "n": cal.num_samples, "samples": len(cal.samples), "selfcheck": cal.checks["selfcheck"]}, out)
     finally:
         dist.destroy_process_group()
 
@@ -63,6 +63,10 @@ def test_two_ranks_merge_to_the_combined_single_process_result(tmp_path):
     # S is the mean over all prompts of per-prompt variances: prompt-weighted, not rank-weighted.
     want_s = sum(p.signal_scale * p.num_prompts for p in parts) / len(PROMPTS)
     assert merged["S"] == pytest.approx(want_s, rel=1e-12)
+    # each rank checked the rules on its own first batch; the merged run keeps the worst of them
+    worst = max((p.checks["selfcheck"] for p in parts), key=lambda c: c["max_relative_error"])
+    assert merged["selfcheck"]["max_relative_error"] == pytest.approx(worst["max_relative_error"], rel=1e-6)
+    assert merged["selfcheck"]["parameter"] == worst["parameter"]
 
 
 @pytest.mark.slow

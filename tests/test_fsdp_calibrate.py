@@ -351,3 +351,6 @@ def test_calibrate_shard_fsdp_under_torchrun_writes_the_data_parallel_run(small_
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6 * (float(a[k].abs().max()) or 1.0))
     scale = [json.loads((r / "report.json").read_text())["signal_scale"] for r in (dp, fsdp)]
     assert scale[0] == pytest.approx(scale[1], rel=1e-12)
+    checks = [json.loads((r / "report.json").read_text())["checks"]["selfcheck"] for r in (dp, fsdp)]
+    assert [c["on"] for c in checks] == ["first batch", "first prompts, before sharding"]  # the CLI wraps with them
+    assert all(c["rows"] == 2 and 0 < c["max_relative_error"] <= c["tolerance"] for c in checks)

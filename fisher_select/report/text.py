@@ -228,7 +228,7 @@ def selfcheck_text(report: RunReport) -> str:
     """The rules' self-check against autograd (``checks.selfcheck``) in one sentence."""
     c = report.checks.get("selfcheck")
     if not c:
-        return "Rule self-check: not run (calibrate(verify=False), or a run from an older release)."
+        return "Rule self-check: not run (verify=False in calibrate or fsdp.wrap, or a run from an older release)."
     return (f"Rule self-check (the engine's per-sample sums against autograd on {c.get('rows')} rows, "
             f"{c.get('on', 'first batch')}): max relative error {fmt(c.get('max_relative_error'))} "
             f"(tolerance {fmt(c.get('tolerance'))}) "
