@@ -1,0 +1,132 @@
+"""Tokens per expert of a calibration (``Calibration.expert_tokens`` / ``expert_positions``) on a tiny MoE.
+
+The reference: each sampled sequence (prompt + response, no padding) run again through the model
+alone, with forward hooks on its routers, whose top-k choices are counted at the response's
+positions (tokens) and at every position (positions). The calibration counts them inside its
+scoring passes (left padding, micro-batches, split halves, checkpoints, ranks); both must agree
+exactly. One expert of each layer is made unreachable (router bias -1e3), so the report's
+"unreached" flag is tested on an expert that really had no token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fisher_select.calibration.calibrator import calibrate
+from fisher_select.calibration.checkpoint import CheckpointConfig
+from fisher_select.calibration.objectives import RLObjective
+from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.report import experts as rx
+from tests.tiny import TinyTokenizer
+from tests.tiny_moe import tiny_moe
+
+PROMPTS = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 9", "3 3", "7 4 4 5", "5"])]
+EXPERTS, DEAD = 4, 3  # expert DEAD is never routed to (gpt-oss's router has a bias)
+
+
+def reward(record, text):
+    return float(len(text) % 2)
+
+
+def moe(family: str = "gpt_oss"):
+    model = tiny_moe(family, experts=EXPERTS, top_k=2)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.router.bias"):
+                    p[DEAD] = -1e3
+    return model
+
+
+def run(model, **kw):
+    kw = {"stability": False, "batch_size": 6, "samples_per_prompt": 3, "max_new_tokens": 4, "seed": 5, **kw}
+    return calibrate(model, TinyTokenizer(64), PROMPTS, RLObjective(reward), progress=False, **kw)
+
+
+def routed(model, samples: list[dict]) -> tuple[dict, dict]:
+    """(tokens, positions): experts module -> counts per expert, from the routers' own top-k choices."""
+    tokens, positions, seen = {}, {}, {}
+    hooks = [m.register_forward_hook(lambda m, a, out, n=n: seen.__setitem__(n.rpartition(".")[0] + ".experts",
+                                                                              out[2].reshape(-1, out[2].shape[-1])))
+             for n, m in model.named_modules() if n.endswith((".mlp.gate", ".mlp.router"))]
+    try:
+        for s in samples:
+            ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])  # (1, T)
+            with torch.no_grad():
+                model(input_ids=ids)
+            start = len(s["prompt_ids"])
+            for name, index in seen.items():  # index: (T, k)
+                for counts, rows in ((tokens, index[start:]), (positions, index)):
+                    add = torch.bincount(rows.flatten(), minlength=EXPERTS).tolist()
+                    counts[name] = [a + b for a, b in zip(counts.get(name, [0] * EXPERTS), add)]
+    finally:
+        for h in hooks:
+            h.remove()
+    return tokens, positions
+
+
+def check_counts(cal, model) -> None:
+    tokens, positions = routed(model, cal.samples)
+    assert cal.expert_tokens == tokens and cal.expert_positions == positions
+    response = sum(len(s["response_ids"]) for s in cal.samples)
+    assert all(sum(c) == 2 * response for c in cal.expert_tokens.values())  # top-2: each token counts twice
+
+
+@pytest.mark.parametrize("kw", [{}, {"stability": True, "max_batch_tokens": 12}], ids=["whole", "halves"])
+def test_counts_are_the_routers_choices_on_the_sampled_responses(kw):
+    model = moe()
+    cal = run(model, **kw)
+    check_counts(cal, model)
+    assert set(cal.expert_tokens) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert all(c[DEAD] == 0 for c in cal.expert_positions.values())
+    assert all(c[e] > 0 for c in cal.expert_tokens.values() for e in range(EXPERTS) if e != DEAD)
+    if kw.get("stability"):
+        assert cal.diagnostics.split_half is not None  # both halves scored, both counted
+
+
+def test_resumed_counts_equal_the_uninterrupted_ones(tmp_path):
+    from tests.test_fsdp_calibrate import Stop, _stop_after
+
+    kw = {"stability": True, "batch_size": 3}
+    want = run(moe(), **kw)
+    undo = _stop_after(2)
+    try:
+        with pytest.raises(Stop):
+            run(moe(), **kw, checkpoint=CheckpointConfig(tmp_path / "c", every=1, model_id="moe"))
+    finally:
+        undo()
+    got = run(moe(), **kw, checkpoint=CheckpointConfig(tmp_path / "c", every=1, resume=True, model_id="moe"))
+    assert got.expert_tokens == want.expert_tokens and got.expert_positions == want.expert_positions
+    assert got.samples == want.samples
+
+
+def test_report_shows_tokens_per_expert_and_flags_the_unreached_one(tmp_path):
+    from fisher_select.models import fingerprint
+    from fisher_select.report.build import build_report, regenerate, write_run_with_pages
+    from fisher_select.run.schema import ModelInfo
+
+    model = moe()
+    cal = run(model)
+    report = build_report(cal, model=ModelInfo("tiny-moe", fingerprint(model), None, None, None, None), recipe=None,
+                          recipe_name=None, sampling={"temperature": 1.0}, settings={})
+    out = write_run_with_pages(tmp_path / "run", cal, report, overwrite=False)
+    stored = json.loads((out / "report.json").read_text())["experts"]
+    layers = stored["layers"]
+    assert [layer["module"] for layer in layers] == sorted(cal.expert_tokens)
+    for layer in layers:
+        assert layer["tokens"] == cal.expert_tokens[layer["module"]]
+        assert layer["positions"] == cal.expert_positions[layer["module"]]
+        assert layer["positions"][DEAD] == 0 and layer["flags"][DEAD] == rx.UNREACHED  # really no token at all
+        assert [e for e, f in enumerate(layer["flags"]) if f == rx.UNREACHED] == [DEAD]
+        fisher = sum(float(cal.fisher[f"{layer['module']}.{leaf}"][DEAD].sum())
+                     for leaf in ("gate_up_proj", "down_proj"))
+        assert layer["bound_mass"][DEAD] == 0.0 and fisher == 0.0
+    for page in ("report.md", "report.html"):
+        assert rx.UNREACHED_TEXT in (out / page).read_text()
+    regenerate(out, recompute=True)  # `fisher-select report RUN --recompute`: masses from F, the counts kept
+    again = json.loads((out / "report.json").read_text())["experts"]
+    assert again == stored
+    assert rx.UNREACHED_TEXT in (out / "report.md").read_text()
