@@ -130,3 +130,58 @@ def test_report_shows_tokens_per_expert_and_flags_the_unreached_one(tmp_path):
     again = json.loads((out / "report.json").read_text())["experts"]
     assert again == stored
     assert rx.UNREACHED_TEXT in (out / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------
+# Two gloo ranks: data parallel (gpt-oss) and FSDP (Mixtral, split halves, micro-batches)
+
+HALVES = {"stability": True, "max_batch_tokens": 12}
+
+
+def _job(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from fisher_select.calibration import fsdp
+    from tests.test_fsdp_calibrate import _summary
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        runs = {"dp": run(moe()), "mixtral/dp": run(moe("mixtral"), **HALVES),
+                "mixtral/fsdp": run(fsdp.wrap(moe("mixtral")), shard="fsdp", **HALVES)}
+        keep = {k: None if c is None else {**_summary(c), "tokens": c.expert_tokens, "positions": c.expert_positions}
+                for k, c in runs.items()}
+        torch.save(keep, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.slow  # two spawned ranks, three calibrations each: 23 s on the shared 2-core machine
+@pytest.mark.filterwarnings("ignore::fisher_select.errors.DegenerateResultWarning")  # a one-prompt share: S = 0
+def test_two_ranks_count_like_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    from fisher_select.distributed import seed_for_rank, shard
+    from tests.test_fsdp_calibrate import _assert_same
+    from tests.tiny import free_port
+
+    out = str(tmp_path / "rank")
+    mp.start_processes(_job, args=(2, free_port(), out), nprocs=2, start_method="spawn")
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    dp = ranks[0]["dp"]
+    tokens, positions = routed(moe(), dp["samples"])  # brute force over every rank's samples
+    assert dp["tokens"] == tokens and dp["positions"] == positions and ranks[1]["dp"]["tokens"] == tokens
+    parts = [calibrate(moe(), TinyTokenizer(64), shard(PROMPTS, r, 2), RLObjective(reward), stability=False,
+                       batch_size=6, samples_per_prompt=3, max_new_tokens=4, seed=seed_for_rank(5, r), progress=False)
+             for r in range(2)]  # each rank's share in one process, summed by hand
+    assert dp["tokens"] == {m: [a + b for a, b in zip(*(p.expert_tokens[m] for p in parts))] for m in tokens}
+    got, want = ranks[0]["mixtral/fsdp"], ranks[0]["mixtral/dp"]
+    assert ranks[1]["mixtral/fsdp"] is None  # rank 0 alone holds the result
+    _assert_same(got, want, units=False)  # F, g, S and the samples
+    assert got["tokens"] == want["tokens"] and got["positions"] == want["positions"]
+    assert (got["tokens"], got["positions"]) == routed(moe("mixtral"), got["samples"])
