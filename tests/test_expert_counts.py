@@ -126,10 +126,11 @@ def test_report_shows_tokens_per_expert_and_flags_the_unreached_one(tmp_path):
         assert layer["bound_mass"][DEAD] == 0.0 and fisher == 0.0
     for page in ("report.md", "report.html"):
         assert rx.UNREACHED_TEXT in (out / page).read_text()
-    regenerate(out, recompute=True)  # `fisher-select report RUN --recompute`: masses from F, the counts kept
-    again = json.loads((out / "report.json").read_text())["experts"]
-    assert again == stored
-    assert rx.UNREACHED_TEXT in (out / "report.md").read_text()
+    for recompute in (False, True):  # `fisher-select report RUN [--recompute]`: counts kept (masses from F)
+        (out / "report.md").unlink()
+        regenerate(out, recompute=recompute)
+        assert json.loads((out / "report.json").read_text())["experts"] == stored
+        assert rx.UNREACHED_TEXT in (out / "report.md").read_text()
 
 
 # ---------------------------------------------------------------------------
