@@ -11,6 +11,7 @@ exactly. One expert of each layer is made unreachable (router bias -1e3), so the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,7 +135,7 @@ def test_report_shows_tokens_per_expert_and_flags_the_unreached_one(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# Two gloo ranks: data parallel (gpt-oss) and FSDP (Mixtral, split halves, micro-batches)
+# Two gloo ranks: data parallel (gpt-oss) and FSDP (Mixtral, split halves, micro-batches, resumed)
 
 HALVES = {"stability": True, "max_batch_tokens": 12}
 
@@ -145,7 +146,7 @@ def _job(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from fisher_select.calibration import fsdp
-    from tests.test_fsdp_calibrate import _summary
+    from tests.test_fsdp_calibrate import Stop, _stop_after, _summary
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -153,6 +154,17 @@ def _job(rank: int, world: int, port: int, out: str) -> None:
     try:
         runs = {"dp": run(moe()), "mixtral/dp": run(moe("mixtral"), **HALVES),
                 "mixtral/fsdp": run(fsdp.wrap(moe("mixtral")), shard="fsdp", **HALVES)}
+        folder = Path(f"{out}.checkpoint")
+        undo = _stop_after(1)  # interrupted after its first batch, then resumed from the checkpoint
+        try:
+            run(fsdp.wrap(moe("mixtral")), shard="fsdp", **HALVES, checkpoint=CheckpointConfig(folder, every=1,
+                                                                                              model_id="moe"))
+        except Stop:
+            pass
+        finally:
+            undo()
+        runs["mixtral/resumed"] = run(fsdp.wrap(moe("mixtral")), shard="fsdp", **HALVES,
+                                      checkpoint=CheckpointConfig(folder, every=1, resume=True, model_id="moe"))
         keep = {k: None if c is None else {**_summary(c), "tokens": c.expert_tokens, "positions": c.expert_positions}
                 for k, c in runs.items()}
         torch.save(keep, f"{out}.{rank}")
@@ -186,3 +198,6 @@ def test_two_ranks_count_like_one_process(tmp_path):
     _assert_same(got, want, units=False)  # F, g, S and the samples
     assert got["tokens"] == want["tokens"] and got["positions"] == want["positions"]
     assert (got["tokens"], got["positions"]) == routed(moe("mixtral"), got["samples"])
+    resumed = ranks[0]["mixtral/resumed"]  # FSDP checkpoint: every rank's counts, cut and gathered again
+    _assert_same(resumed, got)
+    assert resumed["tokens"] == got["tokens"] and resumed["positions"] == got["positions"]
