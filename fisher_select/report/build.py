@@ -29,6 +29,7 @@ from fisher_select.run.schema import ModelInfo, ModuleEntry, ObjectiveEntry, Run
 from fisher_select.run.validation import load_validations
 from fisher_select.run.write import rewrite_report, write_run
 from fisher_select.stats.bounds import module_masses
+from fisher_select.stats.experts import experts_by_module, fused_experts
 from fisher_select.timing import PhaseClock
 from fisher_select.version import __version__
 
@@ -123,7 +124,11 @@ def refresh_report(run, grads: list[dict | None], samples: list[dict]) -> RunRep
 
 def _experts_json(fisher: dict, scale: float | None, tokens: dict | None, positions: dict | None) -> dict | None:
     """report.json's ``experts``: per MoE layer, tokens per expert and bound masses (None: no fused experts)."""
-    section = experts.expert_section(fisher, scale, tokens or None, positions or None)
+    known = experts_by_module(fused_experts({n: tuple(f.shape) for n, f in fisher.items()}))
+    # counts of a routed module whose tensors the section does not split (not named like fused experts) are
+    # left out rather than refused: a finished calibration is never lost to its report
+    tokens, positions = ({m: c for m, c in (d or {}).items() if m in known} or None for d in (tokens, positions))
+    section = experts.expert_section(fisher, scale, tokens, positions)
     return None if section is None else section.to_json()
 
 
