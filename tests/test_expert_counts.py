@@ -20,6 +20,7 @@ from fisher_select.calibration.calibrator import calibrate
 from fisher_select.calibration.checkpoint import CheckpointConfig
 from fisher_select.calibration.objectives import RLObjective
 from fisher_select.calibration.prompts import PromptRecord
+from fisher_select.errors import FisherSelectError
 from fisher_select.report import experts as rx
 from tests.tiny import TinyTokenizer
 from tests.tiny_moe import tiny_moe
@@ -215,3 +216,18 @@ def test_counts_of_a_module_the_section_does_not_split_are_left_out_not_refused(
     assert [layer["tokens"] for layer in section["layers"]] == [[1, 2, 3, 4]]
     assert _experts_json(fisher, 1.0, {"model.layers.0.mlp.moe_linear": [5, 6]}, None)["layers"][0]["tokens"] is None
     assert _experts_json({"lm_head.weight": torch.ones(2, 2)}, 1.0, {}, {}) is None  # a dense model: no section
+
+
+def test_a_prompt_only_expert_is_reached_and_no_position_means_unreached():
+    """A prompt token routed to an expert reaches the responses through attention: F > 0 with 0 response tokens
+    is no bug once the positions are known; an expert no position reached is unreached."""
+    fisher = {"model.layers.0.mlp.experts.gate_up_proj": torch.ones(EXPERTS, 8, 16),
+              "model.layers.0.mlp.experts.down_proj": torch.ones(EXPERTS, 8, 8)}
+    fisher = {n: f * torch.tensor([1.0, 1.0, 1.0, 0.0]).reshape(-1, 1, 1) for n, f in fisher.items()}  # expert 3: F = 0
+    tokens = {"model.layers.0.mlp": [4, 0, 2, 0]}  # expert 1: prompt positions only
+    without = rx.expert_section(fisher, 1.0, tokens).layers[0]
+    assert without.flags == ["", rx.NO_TOKENS_BUT_F, "", rx.UNREACHED]
+    layer = rx.expert_section(fisher, 1.0, tokens, {"model.layers.0.mlp": [6, 3, 2, 0]}).layers[0]
+    assert layer.flags == ["", "", "", rx.UNREACHED] and layer.positions == [6, 3, 2, 0]
+    with pytest.raises(FisherSelectError, match="position counts of .* list 2 experts"):
+        rx.expert_section(fisher, 1.0, tokens, {"model.layers.0.mlp": [1, 1]})
