@@ -65,6 +65,17 @@ def gather_objects(obj) -> list:
     return out
 
 
+def all_reduce_counts(counts: dict[str, torch.Tensor]) -> None:
+    """Sum integer count vectors (name -> (E,)) over ranks, in place; a rank may lack names others have
+    (it scored no batch): the lists travel as objects, so every rank ends with the same keys and sums."""
+    merged: dict[str, list[int]] = {}
+    for part in gather_objects({n: c.tolist() for n, c in counts.items()}):
+        for name, values in part.items():
+            merged[name] = [a + b for a, b in zip(merged[name], values)] if name in merged else list(values)
+    counts.clear()
+    counts.update({n: torch.tensor(v, dtype=torch.int64) for n, v in sorted(merged.items())})
+
+
 def merge_statistics(stats):
     """Every rank's statistics merged in rank order (``to_dict`` travels, ``merge`` combines)."""
     parts = [type(stats).from_dict(d) for d in gather_objects(stats.to_dict())]

@@ -2,8 +2,8 @@
 
 Every ``checkpoint_every`` prompt batches the calibrator's whole state is written: the fp32
 accumulators (F squares, score and signal sums, the token-level and split-half ones), the
-sampling and sign generators' exact states, the objectives' statistics, the checks and the sample
-records. Tensors go to safetensors, the rest to JSON: nothing is pickled, nothing is loaded with
+sampling and sign generators' exact states, the tokens routed to each expert (MoE), the objectives'
+statistics, the checks and the sample records. Tensors go to safetensors, the rest to JSON: nothing is pickled, nothing is loaded with
 ``torch.load``. A resumed pass restores that state and runs the remaining batches with the same
 operations in the same order, so on the CPU its result is bit-identical to an uninterrupted run.
 
@@ -47,6 +47,7 @@ FORMAT = 1
 MANIFEST, TENSORS, SAMPLES = CHECKPOINT_MANIFEST, CHECKPOINT_TENSORS, CHECKPOINT_SAMPLES
 _BATCH_DIR = re.compile(CHECKPOINT_BATCH_PATTERN)
 _SUMS = ("squares", "total", "signal")
+_COUNTS = ("expert_tokens", "expert_positions")  # ScoreSums' tokens per expert of MoE layers
 
 
 @dataclass
@@ -178,7 +179,10 @@ def _put_sums(out: dict, prefix: str, sums: ScoreSums | None) -> dict | None:
     for kind in kinds:
         for name, t in getattr(sums, kind).items():
             out[f"{prefix}/{kind}/{name}"] = t
-    return {"count": sums.count, "kinds": kinds}
+    info = {"count": sums.count, "kinds": kinds}
+    if sums.expert_tokens or sums.expert_positions:  # MoE: tokens per expert (small integer lists: in the JSON)
+        info["experts"] = {kind: {n: c.tolist() for n, c in getattr(sums, kind).items()} for kind in _COUNTS}
+    return info
 
 
 def _take(tensors: dict, head: str, names, place) -> dict[str, torch.Tensor]:
@@ -193,7 +197,9 @@ def _take_sums(tensors: dict, prefix: str, info: dict | None, names, place) -> S
     parts = {k: None for k in _SUMS}
     for kind in info["kinds"]:
         parts[kind] = _take(tensors, f"{prefix}/{kind}/", names, place)
-    return ScoreSums(parts["squares"], parts["signal"], parts["total"], info["count"])
+    counts = {kind: {n: torch.tensor(c, dtype=torch.int64) for n, c in info.get("experts", {}).get(kind, {}).items()}
+              for kind in _COUNTS}
+    return ScoreSums(parts["squares"], parts["signal"], parts["total"], info["count"], **counts)
 
 
 @dataclass

@@ -177,7 +177,7 @@ class Shards:
         if sums is None:
             return None
         return ShardedScoreSums(sums.squares, sums.signal, sums.total, sums.count, self.layouts, 0, 0,
-                                self.group).gather(0)
+                                self.group, sums.expert_tokens, sums.expert_positions).gather(0)  # counts: all ranks'
 
     def cut(self, sums: ScoreSums | None) -> ScoreSums | None:
         """This rank's rows of full sums (a checkpoint's), on the parameters' devices."""
@@ -192,7 +192,10 @@ class Shards:
                 return None
             return {n: cut_rows(t, self.layouts[n], lead).to(self.cov.params[n].device) for n, t in full.items()}
 
-        return ScoreSums(rows("squares", 0), rows("signal", 1), rows("total", 0), sums.count)
+        # tokens per expert are every rank's already (summed over the ranks at each scoring call): kept whole
+        return ScoreSums(rows("squares", 0), rows("signal", 1), rows("total", 0), sums.count,
+                         {n: c.clone() for n, c in sums.expert_tokens.items()},
+                         {n: c.clone() for n, c in sums.expert_positions.items()})
 
 
 class Lockstep:

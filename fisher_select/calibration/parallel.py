@@ -19,8 +19,8 @@ import torch
 
 from fisher_select.calibration import fsdp
 from fisher_select.calibration.checkpoint import CalibrationState, Checkpointer, capture_ranks, write_state
-from fisher_select.distributed import (all_reduce_int, all_reduce_sums, gather_objects, merge_statistics,
-                                       rank_world, shard)
+from fisher_select.distributed import (all_reduce_counts, all_reduce_int, all_reduce_sums, gather_objects,
+                                       merge_statistics, rank_world, shard)
 from fisher_select.engine.batching import score_in_budget
 from fisher_select.engine.memory import MemoryMode
 from fisher_select.engine.scoring import Coverage, ScoreSums
@@ -113,6 +113,8 @@ class DataParallel(Single):
             loop.sums = self.memory.zeros(self.cov, len(loop.objectives))
         loop.sums.count = all_reduce_int(loop.sums.count, self.device)
         all_reduce_sums(*(d for d in (loop.sums.squares, loop.sums.total, loop.sums.signal) if d is not None))
+        all_reduce_counts(loop.sums.expert_tokens)  # MoE: tokens per expert, every rank's
+        all_reduce_counts(loop.sums.expert_positions)
         if loop.token is not None:
             loop.token.merge_ranks()
         merge_records(loop)

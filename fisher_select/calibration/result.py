@@ -55,6 +55,11 @@ class Calibration(BoundsView):
     warnings: list[str] = field(default_factory=list)  # degenerate results, one line each (also warnings.warn)
     # this process's seconds sampling and scoring, and what they handled (response tokens, samples)
     timings: dict = field(default_factory=dict)
+    # MoE: per experts module (its name), how many sampled response tokens the routers sent to each expert
+    # (a top-k choice counts once), over every rank; {} for a model without routed experts
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # and over every real position, prompts included: an expert with none here has F = 0 exactly
+    expert_positions: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def grad_estimate(self) -> dict[str, torch.Tensor]:
@@ -97,7 +102,9 @@ def build_result(loop, num_prompts: int, extra: list[dict | None]) -> tuple[Cali
         conformity = score_mean_conformity(fisher, score_mean, n, heavy)
         loop.checks["score_mean"] = score_mean_summary(conformity)
     cal = Calibration(fisher, score_mean, results, num_prompts, n,
-                      sum(s["truncated"] for s in loop.samples), loop.samples, coverage, loop.checks)
+                      sum(s["truncated"] for s in loop.samples), loop.samples, coverage, loop.checks,
+                      expert_tokens={m: c.tolist() for m, c in sorted(sums.expert_tokens.items())},
+                      expert_positions={m: c.tolist() for m, c in sorted(sums.expert_positions.items())})
     if loop.token is not None:
         cal.token_fisher = loop.token.fisher()
     return cal, conformity

@@ -74,7 +74,9 @@ class Stability:
             if not picked and not self.parallel.collective:
                 continue
             sums = self.parallel.signal_zeros(signal) if sums is None else sums
-            target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0)
+            # half A's squares apart; its score and signal sums and its tokens per expert (the same dicts) shared
+            target = sums if half == 1 else ScoreSums(self._squares(), sums.signal, sums.total, 0, sums.expert_tokens,
+                                                      sums.expert_positions)
             before = target.count
             rows = self._rows(batch, picked)  # (b,) or None
             part = None if rows is None else tuple(t.index_select(0, rows) for t in

@@ -18,7 +18,7 @@ import torch
 
 from fisher_select.caveats import CAVEATS
 from fisher_select.distributed import rank_world
-from fisher_select.report import markdown, outcomes_section, page
+from fisher_select.report import experts, markdown, outcomes_section, page
 from fisher_select.report.statistics import (ReportStatistics, bound_ratio, concentration, module_spread,
                                              scale_uncertainty, signal_diagnostics)
 from fisher_select.report.warnings import run_warnings
@@ -29,6 +29,7 @@ from fisher_select.run.schema import ModelInfo, ModuleEntry, ObjectiveEntry, Run
 from fisher_select.run.validation import load_validations
 from fisher_select.run.write import rewrite_report, write_run
 from fisher_select.stats.bounds import module_masses
+from fisher_select.stats.experts import experts_by_module, fused_experts
 from fisher_select.timing import PhaseClock
 from fisher_select.version import __version__
 
@@ -80,6 +81,8 @@ def build_report(cal, *, model: ModelInfo, recipe: dict | None, recipe_name: str
     stats.conformity = diag.conformity if diag else None  # none without score sums (memory modes gradient / fisher)
     stats.stability = diag.split_half if diag else None
     report.statistics = stats.to_json()
+    report.experts = _experts_json(cal.fisher_for(None), cal.signal_scale, getattr(cal, "expert_tokens", None),
+                                   getattr(cal, "expert_positions", None))
     report.warnings = run_warnings(report)
     return report
 
@@ -111,8 +114,22 @@ def refresh_report(run, grads: list[dict | None], samples: list[dict]) -> RunRep
     spread = {m.name: m.fisher_mass_rel_stderr for m in report.modules if m.fisher_mass_rel_stderr is not None}
     report.modules = module_table(run.fisher_for(None), run.signal_scale, report.coverage.get("module_types"), spread)
     report.statistics = stats.to_json()
+    old_experts = experts.section_of(report.experts)  # the counts need the sampling pass: kept as written
+    counts = {kind: {layer.module: getattr(layer, kind) for layer in old_experts.layers
+                     if getattr(layer, kind) is not None} if old_experts else None for kind in ("tokens", "positions")}
+    report.experts = _experts_json(run.fisher_for(None), run.signal_scale, counts["tokens"], counts["positions"])
     report.warnings = run_warnings(report)
     return report
+
+
+def _experts_json(fisher: dict, scale: float | None, tokens: dict | None, positions: dict | None) -> dict | None:
+    """report.json's ``experts``: per MoE layer, tokens per expert and bound masses (None: no fused experts)."""
+    known = experts_by_module(fused_experts({n: tuple(f.shape) for n, f in fisher.items()}))
+    # counts of a routed module whose tensors the section does not split (not named like fused experts) are
+    # left out rather than refused: a finished calibration is never lost to its report
+    tokens, positions = ({m: c for m, c in (d or {}).items() if m in known} or None for d in (tokens, positions))
+    section = experts.expert_section(fisher, scale, tokens, positions)
+    return None if section is None else section.to_json()
 
 
 def regenerate(path: "str | Path", recompute: bool = False) -> list[Path]:

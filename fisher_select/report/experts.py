@@ -10,6 +10,10 @@ Inputs (``expert_section``):
   module itself (``model.layers.0.mlp.experts``); both are accepted. A token routed to its top-k
   experts counts once for each, so a layer's counts sum to top-k times its routed tokens. ``None``, or
   a layer absent from it: counts unknown.
+- ``position_counts`` (optional, keyed the same way): the same over every real position, prompts
+  included (``Calibration.expert_positions``). A prompt token routed to an expert reaches the
+  responses' log-probabilities through attention, so F > 0 is possible with no response token; with
+  these counts an expert is unreached when no position at all reached it (then F = 0 exactly).
 
 Experts are the slices along dim 0 of the layer's fused expert tensors (``stats.experts``); an
 expert's **bound mass** is its sum of sqrt(F) over every fused tensor of the layer (the sum of its
@@ -53,6 +57,7 @@ class ExpertLayer:
     bound_mass: list[float]  # sum of sqrt(F) per expert
     fisher_mass: list[float]  # sum of F per expert
     flags: list[str]  # "" or one of UNREACHED, UNMOVED, NO_TOKENS_BUT_F
+    positions: list[int] | None = None  # routed positions per expert, prompts included; None: not recorded
 
     @property
     def unreached(self) -> list[int]:
@@ -75,23 +80,32 @@ class ExpertSection:
 
 
 def expert_section(fisher: Mapping[str, torch.Tensor], signal_scale: float | None,
-                   token_counts: Mapping[str, Sequence[int]] | None = None) -> ExpertSection | None:
+                   token_counts: Mapping[str, Sequence[int]] | None = None,
+                   position_counts: Mapping[str, Sequence[int]] | None = None) -> ExpertSection | None:
     """The section for a run's F (module docstring); None for a model without fused experts."""
     modules = experts_by_module(fused_experts({name: tuple(f.shape) for name, f in fisher.items()}))
     if not modules:
         return None
     counts = _counts_by_module(token_counts or {}, modules)
+    positions = _counts_by_module(position_counts or {}, modules)
     layers = []
     for module, tensors in modules.items():
         bound, mass = expert_masses(fisher, tensors)
-        tokens = counts.get(module)
-        if tokens is not None and len(tokens) != len(bound):
-            raise FisherSelectError(f"token counts of {module} list {len(tokens)} experts but its fused tensors hold "
-                                    f"{len(bound)}; pass one count per expert, in expert order")
-        flags = [_flag(None if tokens is None else tokens[e], bound[e]) for e in range(len(bound))]
+        tokens, reach = counts.get(module), positions.get(module)
+        for what, given in (("token", tokens), ("position", reach)):
+            if given is not None and len(given) != len(bound):
+                raise FisherSelectError(f"{what} counts of {module} list {len(given)} experts but its fused tensors "
+                                        f"hold {len(bound)}; pass one count per expert, in expert order")
+        reached = reach if reach is not None else tokens  # any position reaching an expert can make its F > 0
+        flags = [_flag(None if reached is None else reached[e], bound[e]) for e in range(len(bound))]
         layers.append(ExpertLayer(module.rpartition(".")[0], module, [t.param for t in tensors], tokens, bound,
-                                  mass, flags))
+                                  mass, flags, reach))
     return ExpertSection(signal_scale, layers)
+
+
+def section_of(data: dict | None) -> ExpertSection | None:
+    """The section stored in report.json (``RunReport.experts``); None for a run without one."""
+    return None if not data else ExpertSection.from_json(data)
 
 
 def _counts_by_module(token_counts: Mapping[str, Sequence[int]], modules) -> dict[str, list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fisher_select.report import outcomes_section, validation_section
+from fisher_select.report import experts, outcomes_section, validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, coverage_text, fallback_rows, fmt,
                                        module_cells, pct, ranked_modules, scale_text, selfcheck_text, uncertainty_of,
@@ -36,6 +36,7 @@ def markdown_text(report: RunReport, validations=(), outcomes=()) -> str:
     out += _coverage(report) + _objectives(report, stats) + _conformity(stats) + _stability(stats)
     out += _concentration(stats)
     out += _ratios(stats) + _signals(stats) + _modules(report)
+    out += experts.markdown_lines(experts.section_of(report.experts))  # MoE layers only
     out += validation_section.markdown_lines(list(validations))  # RUN/validation-*/validation.json
     out += outcomes_section.markdown_lines(list(outcomes))  # RUN/outcomes-*/outcomes.json
     return "\n".join(out) + "\n"

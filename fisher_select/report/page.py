@@ -11,7 +11,7 @@ import html
 import json
 from pathlib import Path
 
-from fisher_select.report import outcomes_section, plots, validation_section
+from fisher_select.report import experts, outcomes_section, plots, validation_section
 from fisher_select.report.statistics import ReportStatistics
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, coverage_text, fallback_rows, fmt,
                                        module_cells, pct, ranked_modules, selfcheck_text, verdict_lines)
@@ -62,7 +62,9 @@ def page_html(report: RunReport, samples: list[dict], validations=(), outcomes=(
     if report.warnings:
         body.append(f'<div class="warn"><b>Warnings about this run</b>{_list(report.warnings)}</div>')
     body += [_run_section(report), _coverage_section(report), _objectives_section(report, stats),
-             _statistics_section(stats), _modules_section(report), validation_section.html_section(list(validations)),
+             _statistics_section(stats), _modules_section(report),
+             experts.html_section(experts.section_of(report.experts)),
+             validation_section.html_section(list(validations)),
              outcomes_section.html_section(list(outcomes), run_dir), "<h2>Plots</h2>"]
     body += [f'<figure id="{p.key}"><h3>{_e(p.title)}</h3><img alt="{_e(p.title)}" src="{p.data_uri}">'
              f"<figcaption>{_e(p.caption)}</figcaption></figure>" for p in figures]

@@ -128,6 +128,9 @@ class RunReport:
     mixed_bound: dict | None = None
     statistics: dict = field(default_factory=dict)  # the report's sections (docs/REPORT.md), JSON as written
     timings: dict = field(default_factory=dict)  # wall seconds per phase of `calibrate` (fisher_select.timing)
+    # MoE models: per layer, tokens routed to each expert and its bound mass (report.experts.ExpertSection's
+    # JSON); None for a model without fused experts
+    experts: dict | None = None
 
     @property
     def truncation_rate(self) -> float:
