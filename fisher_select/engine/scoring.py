@@ -202,7 +202,7 @@ def score_sums(
     to these running sums instead of allocating new ones (same signal layout). ``squares=False``
     skips the squared scores (a gradient-only pass); ``.squares`` is then None.
 
-    Memory modes (each accumulator is parameter-sized; see README "Bigger models"):
+    Memory modes (each accumulator is parameter-sized; see docs/SCALING.md "Devices and memory modes"):
     ``totals=False`` keeps no score sums (``.total`` is None; F alone is ``squares=True,
     totals=False, signal=None``: 4 bytes per parameter in fp32). ``params``: names (as
     ``named_parameters()`` yields them) to accumulate for; other parameters get no
