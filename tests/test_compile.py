@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fisher_select.engine import scoring
+from fisher_select.engine import sums
 from fisher_select.engine.reference import brute_force_sums
 from fisher_select.engine.scoring import score_sums
 from tests.rule_checks import EXACT, ROW_BLOCK, rel
@@ -37,7 +37,7 @@ def _check(model, dtype, tol, block=1 << 19):
 @pytest.mark.parametrize("name,block", [("llama-tied", 1 << 19), ("qwen2-bias", ROW_BLOCK), ("gpt2", 1 << 19),
                                         ("llama-fallback", ROW_BLOCK)])
 def test_fused_plumbing_matches_brute_force(monkeypatch, name, block):
-    monkeypatch.setitem(scoring._COMPILED, "fn", scoring._reductions)  # eager: the same function inductor compiles
+    monkeypatch.setitem(sums._COMPILED, "fn", sums._reductions)  # eager: the same function inductor compiles
     _check(tiny_model(name), torch.float64, EXACT, block)
 
 

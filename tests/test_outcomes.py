@@ -109,8 +109,8 @@ def test_uniform_lora_counts_match_lora_config_on_the_adapted_model(tmp_path):
     study = _Study(run, setup, OutcomeConfig(**FAST), None, False)
     budget = trainable_lora_parameters(peft.get_peft_model(copy.deepcopy(setup.model),
                                                            lora_config(run, mean_rank=4, model=setup.model)))
-    for method, targets in ((study._lora_all_linear(), "all-linear"),
-                            (study._lora_attention(), attention_modules(setup.model))):
+    for method, targets in ((study.selections._lora_all_linear(), "all-linear"),
+                            (study.selections._lora_attention(), attention_modules(setup.model))):
         def count(r):
             cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, task_type="CAUSAL_LM")
             return trainable_lora_parameters(peft.get_peft_model(copy.deepcopy(setup.model), cfg))

@@ -77,15 +77,8 @@ BUCKET_WASTE = 0.25  # a prefill bucket's padded tokens may exceed its real ones
 
 @torch.no_grad()
 def sample_responses(
-    model,
-    prompts: list[list[int]],
-    *,
-    eos_ids: set[int],
-    pad_id: int,
-    max_new_tokens: int,
-    generator: torch.Generator,
-    observer: Observer | None = None,
-    bucket_waste: float | None = BUCKET_WASTE,
+    model, prompts: list[list[int]], *, eos_ids: set[int], pad_id: int, max_new_tokens: int,
+    generator: torch.Generator, observer: Observer | None = None, bucket_waste: float | None = BUCKET_WASTE,
     compact: bool = True,
 ) -> list[Sampled]:
     """Draw one response per prompt row (repeat a prompt K times for K samples).
@@ -116,22 +109,14 @@ def sample_responses(
     compact = compact and hasattr(cache, "batch_select_indices")
     rows = torch.arange(batch, device=device)  # original row of each row still in the batch
     active = torch.ones(batch, dtype=torch.bool, device=device)  # of the rows in the batch
-    ended = torch.zeros(batch, dtype=torch.bool, device=device)  # of all rows
-    tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (B, L)
-    logps = torch.zeros(batch, max_new_tokens, dtype=torch.float64, device=device)  # (B, L)
-    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    drawn = _Drawn(batch, max_new_tokens, pad_id, device)
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits.float(), dim=-1)  # (b, V) fp32, the full vocabulary
         tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # (b,)
         if observer is not None:
             observer(logp.exp(), tok, active.clone())
         tok = torch.where(active, tok, torch.full_like(tok, pad_id))  # finished rows (no compaction): padding
-        live = rows[active]
-        tokens[live, step] = tok[active]
-        logps[live, step] = logp.gather(1, tok[:, None]).squeeze(1)[active].double()
-        lengths[live] += 1
-        is_eos = active & torch.isin(tok, eos)
-        ended[rows[is_eos]] = True
+        is_eos = drawn.record(step, rows, active, tok, logp, eos)
         mask = torch.cat([mask, active.long()[:, None]], dim=1)
         active = active & ~is_eos
         if not active.any() or step == max_new_tokens - 1:
@@ -143,11 +128,32 @@ def sample_responses(
         pos = position_ids_from_mask(mask)[:, -1:]
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
         cache, logits = _cache_of(out), out.logits[:, -1].to(device)
-    toks, lps = tokens.cpu(), logps.cpu()
-    return [
-        Sampled(toks[b, : lengths[b]].tolist(), float(lps[b, : lengths[b]].sum()), bool(ended[b]))
-        for b in range(batch)
-    ]
+    return drawn.sampled()
+
+
+class _Drawn:
+    """The tokens drawn so far, per original row: (B, L) tokens and their log-probabilities, lengths, EOS."""
+
+    def __init__(self, batch: int, max_new_tokens: int, pad_id: int, device):
+        self.tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (B, L)
+        self.logps = torch.zeros(batch, max_new_tokens, dtype=torch.float64, device=device)  # (B, L)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
+        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,) of all rows
+
+    def record(self, step: int, rows, active, tok, logp, eos) -> torch.Tensor:
+        """Keep step's tokens tok (b,) of the active rows (b,) (original rows ``rows``); returns which drew EOS."""
+        live = rows[active]
+        self.tokens[live, step] = tok[active]
+        self.logps[live, step] = logp.gather(1, tok[:, None]).squeeze(1)[active].double()
+        self.lengths[live] += 1
+        is_eos = active & torch.isin(tok, eos)
+        self.ended[rows[is_eos]] = True
+        return is_eos
+
+    def sampled(self) -> list[Sampled]:
+        toks, lps, lengths = self.tokens.cpu(), self.logps.cpu(), self.lengths
+        return [Sampled(toks[b, : lengths[b]].tolist(), float(lps[b, : lengths[b]].sum()), bool(self.ended[b]))
+                for b in range(len(toks))]
 
 
 def _forward_last(model, ids: torch.Tensor, mask: torch.Tensor, device):

@@ -288,15 +288,8 @@ def _padding_batch(device, objectives: int | None):
 
 
 def score_sums_sharded(
-    model: nn.Module,
-    batches,
-    *,
-    objectives: int | None = None,
-    squares: bool = True,
-    totals: bool = True,
-    params: "set[str] | None" = None,
-    block: int = DEFAULT_BLOCK,
-    accumulate_dtype: torch.dtype = torch.float32,
+    model: nn.Module, batches, *, objectives: int | None = None, squares: bool = True, totals: bool = True,
+    params: "set[str] | None" = None, block: int = DEFAULT_BLOCK, accumulate_dtype: torch.dtype = torch.float32,
     into: ScoreSums | None = None,
 ) -> ShardedScoreSums:
     """Sums over every rank's samples of per-sample scores, kept sharded like the parameters.
@@ -314,19 +307,8 @@ def score_sums_sharded(
     Parameters no rule covers are refused: their exact fallback differentiates with respect to
     the parameter, and under FSDP2 the gradient reaches the all-gathered copy, not the shard.
     """
-    cov = _restricted(plan_coverage(resharded(model)), params)  # the same layouts after a sampling forward
-    if cov.fallback:
-        raise FisherSelectError("score_sums_sharded covers rule-covered parameters only; no rule covers "
-                                f"{sorted(cov.fallback)[:5]} (restrict with params=, or score unsharded)")
     batches = list(batches)
-    for i, batch in enumerate(batches):
-        has_signal = len(batch) == 4 and batch[3] is not None
-        if has_signal != (objectives is not None):
-            raise FisherSelectError(f"batch {i} {'has' if has_signal else 'lacks'} a signal, objectives={objectives}: "
-                                    "pass objectives= (the signal's rows) exactly when the batches carry a signal")
-    kinds = tuple(k for k, on in zip(KINDS, (squares, objectives is not None, totals)) if on)
-    if not kinds:
-        raise FisherSelectError("nothing to accumulate: squares=False, totals=False and no objectives")
+    cov, kinds = _checked(model, batches, objectives, squares, totals, params)
     layouts, group, rank, world = mesh_layouts(model, cov)
     device = next(iter(cov.params.values())).device
     rows = torch.tensor([sum(int(b[0].shape[0]) for b in batches)], dtype=torch.long, device=device)
@@ -355,6 +337,23 @@ def score_sums_sharded(
         rows = into.count
     return ShardedScoreSums(get("squares"), get("signal"), get("total"), rows, layouts, scatter.peak, full_bytes, group,
                             routes.expert_tokens, routes.expert_positions)
+
+
+def _checked(model: nn.Module, batches: list, objectives: int | None, squares: bool, totals: bool, params):
+    """The coverage of the parameters asked for and the kinds of sums to keep, after the input checks."""
+    cov = _restricted(plan_coverage(resharded(model)), params)  # the same layouts after a sampling forward
+    if cov.fallback:
+        raise FisherSelectError("score_sums_sharded covers rule-covered parameters only; no rule covers "
+                                f"{sorted(cov.fallback)[:5]} (restrict with params=, or score unsharded)")
+    for i, batch in enumerate(batches):
+        has_signal = len(batch) == 4 and batch[3] is not None
+        if has_signal != (objectives is not None):
+            raise FisherSelectError(f"batch {i} {'has' if has_signal else 'lacks'} a signal, objectives={objectives}: "
+                                    "pass objectives= (the signal's rows) exactly when the batches carry a signal")
+    kinds = tuple(k for k, on in zip(KINDS, (squares, objectives is not None, totals)) if on)
+    if not kinds:
+        raise FisherSelectError("nothing to accumulate: squares=False, totals=False and no objectives")
+    return cov, kinds
 
 
 def _reduce_routes(routes: ScoreSums, into: ScoreSums | None, group, device) -> None:
