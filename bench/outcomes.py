@@ -91,6 +91,9 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--train-prompts", type=int, default=48)
     v2.add_argument("--grid-cap", type=int, default=10)
     v2.add_argument("--threads", type=int, help="torch threads (default: torch's; on a shared 2-core machine: 2)")
+    v2.add_argument("--time-cell", nargs=3, metavar=("ARM", "BUDGET", "LR"),
+                    help="time one held-out cell of replicate 0 (BUDGET 'none' for full / LoRA), before (plain "
+                         "path) and after (shared prefix once); writes no cell")
     v2.add_argument("--model", help="calibrate and train this model instead of the recipe's (a small one for a smoke)")
     return p.parse_args(argv)
 
@@ -171,6 +174,28 @@ def replicate_loader(args, protocol):
     return load
 
 
+def time_cell(args, protocol) -> int:
+    """One held-out cell of replicate 0, timed with the plain scoring path and with the shared prefix computed
+    once (``studies.prefix``); both results are printed so that the lead sees they agree."""
+    from fisher_select.studies import prefix
+    from fisher_select.studies.cell_run import ReplicateCells
+
+    if not args.recipe:
+        raise FisherSelectError("--time-cell calibrates replicate 0 from --recipe NAME (once); give it")
+    arm, budget, lr = args.time_cell
+    budget = None if budget.lower() == "none" else float(budget)
+    cells = ReplicateCells(protocol, replicate_loader(args, protocol)(0), args.progress)
+    out = {}
+    for name, reuse in (("before", False), ("after", True)):
+        prefix.REUSE_PREFIX = reuse
+        started = time.perf_counter()
+        result = cells.compute(arm, budget, float(lr), "held_out")
+        out[name] = {"seconds": time.perf_counter() - started, "training_seconds": result["training_seconds"],
+                     **{k: result.get(k) for k in ("general_text_nll", "general_kl", "answer_nll", "held_out")}}
+    print(json.dumps({"cell": [arm, budget, float(lr)], "threads": args.threads, **out}, indent=1))
+    return 0
+
+
 def main_v2(args) -> int:
     from fisher_select.atomic import write_file
     from fisher_select.run.outcomes import read_outcomes
@@ -199,6 +224,8 @@ def main_v2(args) -> int:
     if args.plan:
         print(json.dumps({"protocol": protocol.as_dict(), "minimum_cells": protocol.minimum_cells()}))
         return 0
+    if args.time_cell:
+        return time_cell(args, protocol)
     if not args.recipe:
         raise FisherSelectError("--v2 calibrates each replicate from --recipe NAME; give it (or --assemble)")
     done = run_study(protocol, args.cells, replicate_loader(args, protocol), budget_minutes=args.budget_minutes,

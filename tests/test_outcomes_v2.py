@@ -435,3 +435,39 @@ def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares
     assert 0.0 <= record.training_rows["signal_share"] <= 1.0 and record.training_rows["finished_share"] is not None
     sums = record.arms["bound@0.05"]["replicates"][0]["mask_sums"]
     assert sums["sqrt_fs"] == pytest.approx(sums["sqrt_f"] * math.sqrt(2.0)) and sums["abs_g_hat"] is None
+
+
+# --- speed work that is exact: the shared prompt prefix computed once ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2"])
+def test_scoring_with_the_shared_prefix_once_equals_the_plain_path(name, monkeypatch):
+    from fisher_select.calibration.objectives.base import ScoringRow
+    from fisher_select.studies import prefix
+
+    torch.manual_seed(0)
+    model = tiny_model(name).eval()
+    shared = [int(x) for x in torch.randint(2, 60, (12,))]  # the system prompt and solved examples
+    rows = []
+    for n in (3, 1, 5, 2, 4):  # problems and answers of different lengths: the suffixes are right padded
+        tail = [int(x) for x in torch.randint(2, 60, (n + 2,))]
+        rows.append(ScoringRow(shared + tail, len(shared) + 2))
+    assert prefix.common_prefix(rows) >= prefix.MIN_PREFIX  # the fast path is the one tested
+    fast = prefix.row_logprobs(model, rows, 1, "cpu", micro=2)
+    monkeypatch.setattr(prefix, "REUSE_PREFIX", False)
+    plain = prefix.row_logprobs(model, rows, 1, "cpu", micro=2)
+    brute = []
+    for r in rows:  # per token, one row at a time, no padding, float64 sums
+        logits = model(torch.tensor([r.ids])).logits[0].detach().double()  # (T, V)
+        brute.append(sum(float(torch.log_softmax(logits[t - 1], -1)[r.ids[t]]) for t in range(r.start, len(r.ids))))
+    assert plain == pytest.approx(brute, abs=1e-4)
+    assert fast == pytest.approx(plain, abs=1e-4)  # fp32 rounding only: sums of ~5 log-probs of ~-4 each
+
+
+def test_no_common_prefix_falls_back_to_the_plain_path():
+    from fisher_select.calibration.objectives.base import ScoringRow
+    from fisher_select.studies.prefix import common_prefix
+
+    rows = [ScoringRow([5, 6, 7, 8], 2), ScoringRow([5, 9, 7, 8], 3)]
+    assert common_prefix(rows) == 1
+    assert common_prefix([ScoringRow([5, 6, 7, 8], 2), ScoringRow([5, 6, 7, 8, 9], 4)]) == 1  # min(start) - 1

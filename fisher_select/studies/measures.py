@@ -26,6 +26,7 @@ from fisher_select.calibration.sampling import eos_ids_of, left_pad, pad_id_of, 
 from fisher_select.calibration.config import SELF
 from fisher_select.calibration.teachers import Teacher, TeacherConfig
 from fisher_select.engine.logprob import forward_logits, response_logprobs
+from fisher_select.studies.prefix import row_logprobs
 
 GENERAL_TEXT = Path(__file__).with_name("data") / "general_english.txt"
 
@@ -63,11 +64,7 @@ def answer_nll(model, tokenizer, records: list[PromptRecord], field: str = "answ
         answer = list(tokenizer(_answer_text(r, field), add_special_tokens=False)["input_ids"])
         rows.append(ScoringRow(prompt + answer, len(prompt)))
     pad, device = pad_id_of(model, tokenizer), next(model.parameters()).device
-    out = []
-    for i in range(0, len(rows), micro):
-        ids, mask, resp = pad_rows(rows[i : i + micro], pad, device)
-        out += (-response_logprobs(model, ids, mask, resp)).tolist()
-    return out
+    return [-x for x in row_logprobs(model, rows, pad, device, micro)]  # the shared prefix once
 
 
 @torch.no_grad()
