@@ -245,7 +245,8 @@ def _loader(tmp_path, protocol, records):
         run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}],
                        fingerprint=fingerprint(model), run_id=f"rep{r}")
         return Replicate(r, run, model, tok, SFTDemonstrationsObjective(demos), splits,
-                         grad_estimate=cal.grad_estimate, general_text=" ".join(str(2 + i % 50) for i in range(60)))
+                         grad_estimate=cal.grad_estimate, general_text=" ".join(str(2 + i % 50) for i in range(60)),
+                         general_prompts=["3 4 5", "6 7 8 9", "10 11"])
 
     return load
 
@@ -253,7 +254,7 @@ def _loader(tmp_path, protocol, records):
 def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     records = _records(12)
     protocol = ProtocolV2("sft", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=3,
-                          budgets=(0.05,), arms=("bound", "random", "random_tensor_counts", "full"), grid_cap=5,
+                          budgets=(0.05,), arms=("bound", "random", "random_tensor_counts", "magnitude", "full"), grid_cap=5,
                           steps=2, prompts_per_step=2, samples_per_prompt=1, max_new_tokens=3, bootstrap=200)
     load = _loader(tmp_path, protocol, records)
     first = run_study(protocol, tmp_path / "cells", load)
@@ -262,19 +263,22 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert again["finished"] and again["computed"] == 0 and again["skipped"] == first["computed"]
     record = read_outcomes(assemble(tmp_path / "cells", resamples=200))
     assert record.protocol == OUTCOMES_PROTOCOL and record.kind == "sft"
-    assert set(record.arms) == {"start", "bound@0.05", "random@0.05", "random_tensor_counts@0.05", "full"}
+    assert set(record.arms) == {"start", "bound@0.05", "random@0.05", "random_tensor_counts@0.05", "magnitude@0.05",
+                                "full"}
     for name in ("bound@0.05", "random@0.05", "full"):
         arm = record.arms[name]
         assert set(arm["replicates"]) == {0, 1} and arm["lr"] == first["lr_choices"][name]["chosen"]
         rep = arm["replicates"][0]
         assert len(rep["held_out_per_prompt"]) == 3 and "forgetting" in rep and "content_gain" in rep
+        assert rep["forgetting_kl"] is not None and (name != "start" or rep["forgetting_kl"] == pytest.approx(0))
     assert record.arms["full"]["replicates"][1]["recovered"] == pytest.approx(1.0)
     assert "bound@0.05 vs random@0.05" in record.paired["recovered"]
     assert record.paired["recovered"]["bound@0.05 vs random@0.05"]["n"] == 2
     assert set(record.on_edge()) <= set(record.lr_choices)
     assert len(record.lr_choices["full"]["grid"]) >= 4
     verdict = record.verdicts["0.05"]
-    assert verdict["best_peer"] in ("random", "random_tensor_counts") and verdict["n"] == 2
+    assert verdict["best_peer"] in ("random", "random_tensor_counts", "magnitude") and verdict["n"] == 2
+    assert record.arms["start"]["replicates"][0]["forgetting_kl"] == pytest.approx(0, abs=1e-5)  # its own responses
     lo, hi = verdict["interval"]
     assert verdict["verdict"] == ("wins" if lo > 0 else "loses" if hi < 0 else "ties")
     assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None
@@ -411,7 +415,7 @@ def test_sft_training_logs_the_batch_nll_without_a_second_forward(tmp_path):
 def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares(tmp_path):
     records = _records(10)
     protocol = ProtocolV2("opd-pg", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=2,
-                          budgets=(0.05,), arms=("bound", "full"), grid_cap=5, steps=1, prompts_per_step=2,
+                          budgets=(0.05,), arms=("bound", "lora_config", "full"), grid_cap=5, steps=1, prompts_per_step=2,
                           samples_per_prompt=2, max_new_tokens=3, bootstrap=100)
     teachers = []
 
@@ -424,7 +428,8 @@ def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares
         run = make_run(fisher, objectives=[{"name": "opd-pg", "signal_scale": 2.0}], fingerprint=fingerprint(model),
                        run_id=f"rep{r}")
         teachers.append(objective)
-        return Replicate(r, run, model, tok, objective, splits, general_text="3 4 5 6 7 8 9 10 11 12")
+        return Replicate(r, run, model, tok, objective, splits, general_text="3 4 5 6 7 8 9 10 11 12",
+                         general_prompts=["3 4 5", "6 7 8 9"])
 
     done = run_study(protocol, tmp_path / "cells", load)
     assert done["finished"]
@@ -435,6 +440,8 @@ def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares
     assert 0.0 <= record.training_rows["signal_share"] <= 1.0 and record.training_rows["finished_share"] is not None
     sums = record.arms["bound@0.05"]["replicates"][0]["mask_sums"]
     assert sums["sqrt_fs"] == pytest.approx(sums["sqrt_f"] * math.sqrt(2.0)) and sums["abs_g_hat"] is None
+    lora = record.arms["lora_config@0.05"]["replicates"][0]
+    assert lora["trainable"] > 0 and "bound@0.05 vs lora_config@0.05" in record.paired["recovered"]
 
 
 # --- speed work that is exact: the shared prompt prefix computed once ------------------------------------
@@ -471,3 +478,60 @@ def test_no_common_prefix_falls_back_to_the_plain_path():
     rows = [ScoringRow([5, 6, 7, 8], 2), ScoringRow([5, 9, 7, 8], 3)]
     assert common_prefix(rows) == 1
     assert common_prefix([ScoringRow([5, 6, 7, 8], 2), ScoringRow([5, 6, 7, 8, 9], 4)]) == 1  # min(start) - 1
+
+
+# --- forgetting as the KL on the starting model's own general responses; |theta| and lora_config arms -----
+
+
+def test_general_kl_against_a_per_token_brute_force_on_common_responses():
+    model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+    prompts = ["3 4 5", "6 7 8 9", "10 11"]
+    rows, start = measures.general_responses(model, tok, seed=7, prompts=prompts, max_new_tokens=6, samples=3)
+    again, _ = measures.general_responses(model, tok, seed=7, prompts=prompts, max_new_tokens=6, samples=3)
+    assert [r.ids for r in rows] == [r.ids for r in again] and rows  # the same responses for every arm
+    assert measures.general_kl(model, rows, start, 1) == pytest.approx(0.0, abs=1e-6)
+    moved = tiny_model("llama-tied", seed=3)  # another model: the KL is not 0
+    got = measures.general_kl(moved, rows, start, 1)
+    diff, tokens = 0.0, 0
+    with torch.no_grad():
+        for r in rows:  # one row at a time, no padding, float64
+            lp0 = torch.log_softmax(model(torch.tensor([r.ids])).logits[0].double(), -1)  # (T, V)
+            lp1 = torch.log_softmax(moved(torch.tensor([r.ids])).logits[0].double(), -1)
+            for t in range(r.start, len(r.ids)):
+                diff += float(lp0[t - 1, r.ids[t]] - lp1[t - 1, r.ids[t]])
+                tokens += 1
+    assert abs(diff / tokens) > 1e-3 and got == pytest.approx(diff / tokens, abs=1e-5)
+
+
+def test_magnitude_masks_take_the_largest_starting_weights():
+    model = tiny_model("llama-untied")
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fisher = {n: torch.rand(t.shape) for n, t in theta0.items()}
+    masks = arm_masks("magnitude", 0.1, fisher=fisher, grad_estimate=None, first_batch=None, seed=0, theta0=theta0)
+    total = sum(t.numel() for t in theta0.values())
+    chosen = torch.cat([theta0[n][m].abs() for n, m in masks.items()])
+    left = torch.cat([theta0[n][~m].abs() for n, m in masks.items()])
+    assert len(chosen) == round(0.1 * total) and float(chosen.min()) >= float(left.max())
+
+
+def test_lora_config_at_the_nearest_trainable_count_against_enumeration():
+    import copy
+
+    import peft
+
+    from fisher_select.outputs.lora import lora_hints
+    from fisher_select.studies.arms import lora_config_at, lora_count
+
+    model = tiny_model("llama-untied")
+    fisher = {n: torch.rand(p.shape, generator=torch.Generator().manual_seed(1)) for n, p in model.named_parameters()}
+    run = make_run(fisher, fingerprint=fingerprint(model))
+    targets = len(lora_hints(run, model=model, rank_step=1, mean_rank=1).ranks)
+    counts = {t: lora_count(model, lora_hints(run, model=model, rank_step=1, total_rank=t))
+              for t in range(targets, 120)}
+    hints = lora_hints(run, model=model, rank_step=1, total_rank=targets + 9)
+    adapted = peft.get_peft_model(copy.deepcopy(model), hints.peft_config())
+    assert lora_count(model, hints) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)  # PEFT's own count
+    for want in (counts[targets + 3] + 1, counts[targets + 10] - 2, counts[40], counts[100] + 7):
+        best = min(counts.values(), key=lambda c: (abs(c - want), c))  # nearest; ties: the smaller
+        assert lora_config_at(run, model, want)[1] == best
+    assert lora_config_at(run, model, 1)[1] == counts[targets]  # below one rank per target: the smallest

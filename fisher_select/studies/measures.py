@@ -5,6 +5,11 @@
 - ``answer_nll``: per prompt, the NLL of the answer's tokens alone after the rendered prompt (no
   end-of-sequence token, no formatting): the content of the task without its format.
 - ``greedy_correct``: per prompt, 1.0 when the last number of the greedy answer equals the answer.
+- ``general_responses`` / ``general_kl``: forgetting as the KL from the starting model on its own
+  responses to general prompts (``data/general_prompts.txt``, written for this purpose): the
+  responses are sampled once from the starting model, with a fixed seed, and every arm is scored on
+  those same responses (common random numbers); per token, sum(log p_0(y) - log p(y)) / tokens, an
+  unbiased estimate of KL(p_0 || p) per response token (0 at the start; forward-only).
 - ``freeze_teacher``: a frozen copy of the starting model as a ``model: self`` teacher or
   demonstrator, so that distillation's target does not move while the student trains.
 
@@ -22,13 +27,16 @@ import torch
 from fisher_select.calibration.objectives.base import ScoringRow
 from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.rewards import last_number
-from fisher_select.calibration.sampling import eos_ids_of, left_pad, pad_id_of, pad_rows
+from fisher_select.calibration.sampling import eos_ids_of, left_pad, pad_id_of, pad_rows, sample_responses
 from fisher_select.calibration.config import SELF
 from fisher_select.calibration.teachers import Teacher, TeacherConfig
 from fisher_select.engine.logprob import forward_logits, response_logprobs
 from fisher_select.studies.prefix import row_logprobs
 
 GENERAL_TEXT = Path(__file__).with_name("data") / "general_english.txt"
+GENERAL_PROMPTS = Path(__file__).with_name("data") / "general_prompts.txt"
+GENERAL_SEED = 5_000_011  # the general prompts' sampling seed (+ the replicate's seed)
+GENERAL_NEW_TOKENS = 32
 
 
 @torch.no_grad()
@@ -48,6 +56,32 @@ def general_text_nll(model, tokenizer, text: str | None = None, window: int = 25
         total -= float(response_logprobs(model, padded, mask, resp).sum())
         count += len(chunk) - 1
     return total / count
+
+
+@torch.no_grad()
+def general_responses(model, tokenizer, seed: int, prompts: list[str] | None = None,
+                      max_new_tokens: int = GENERAL_NEW_TOKENS, samples: int = 2) -> tuple[list, list[float]]:
+    """The starting model's own responses to general prompts (``samples`` per prompt, sampled once with
+    ``seed``) as scoring rows, and their log-probabilities under it: the reference ``general_kl`` needs."""
+    if prompts is None:
+        prompts = [p for p in GENERAL_PROMPTS.read_text(encoding="utf-8").splitlines() if p.strip()]
+    rendered = [render_prompt(tokenizer, PromptRecord(i, p, None, {"prompt": p})) for i, p in enumerate(prompts)]
+    rendered = [ids for ids in rendered for _ in range(samples)]
+    device = next(model.parameters()).device
+    pad = pad_id_of(model, tokenizer)
+    gen = torch.Generator(device=device).manual_seed(GENERAL_SEED + seed)
+    drawn = sample_responses(model, rendered, eos_ids=eos_ids_of(model, tokenizer), pad_id=pad,
+                             max_new_tokens=max_new_tokens, generator=gen)
+    rows = [ScoringRow(ids + s.response_ids, len(ids)) for ids, s in zip(rendered, drawn) if s.response_ids]
+    return rows, row_logprobs(model, rows, pad, device)
+
+
+@torch.no_grad()
+def general_kl(model, rows: list, start_logprobs: list[float], pad_id: int) -> float:
+    """Per response token: sum over rows of (log p_0(y) - log p(y)) / tokens, on the starting model's responses."""
+    now = row_logprobs(model, rows, pad_id, next(model.parameters()).device)
+    tokens = sum(len(r.ids) - r.start for r in rows)
+    return (sum(start_logprobs) - sum(now)) / tokens
 
 
 def _answer_text(record: PromptRecord, field: str) -> str:
