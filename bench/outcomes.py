@@ -83,6 +83,8 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--cells", help="the folder of the study's cells (and its replicates' calibration runs)")
     v2.add_argument("--pilot", action="store_true", help="only the pilot replicate: choose every arm's lr")
     v2.add_argument("--assemble", action="store_true", help="build the record and tables from the cells alone")
+    v2.add_argument("--keep-in", metavar="RUN", help="with --assemble: keep the record in RUN/outcomes-<kind>/ "
+                                                      "and redraw RUN's report (it shows the study's tables)")
     v2.add_argument("--plan", action="store_true", help="print the protocol and its minimum cell count, train nothing")
     v2.add_argument("--budget-minutes", type=float, help="stop before a cell would overrun this many minutes")
     v2.add_argument("--replicates", type=int, default=6)
@@ -201,7 +203,7 @@ def main_v2(args) -> int:
     from fisher_select.run.outcomes import read_outcomes
     from fisher_select.studies.assemble import assemble
     from fisher_select.studies.study import run_study
-    from fisher_select.studies.tables import record_markdown
+    from fisher_select.report.outcome_tables import record_markdown
 
     if not args.cells or not args.kind:
         raise FisherSelectError("--v2 needs --cells DIR and --kind")
@@ -214,6 +216,10 @@ def main_v2(args) -> int:
             from fisher_select.studies.outcome_plots import gain_vs_forgetting
 
             write_file(Path(args.plot), lambda tmp: gain_vs_forgetting(tmp, record), overwrite=True)
+        if args.keep_in:
+            from fisher_select.studies.assemble import keep_record_in_run
+
+            print(f"kept in {keep_record_in_run(record, args.keep_in)}; the run's report shows it")
         print("\n".join(record_markdown(record)))
         return 0
     protocol = protocol_of(args)

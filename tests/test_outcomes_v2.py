@@ -30,7 +30,7 @@ from fisher_select.studies.paired import paired, trained
 from fisher_select.studies.protocol import ProtocolV2, draw
 from fisher_select.studies.outcome_plots import gain_vs_forgetting
 from fisher_select.studies.study import run_study
-from fisher_select.studies.tables import record_markdown
+from fisher_select.report.outcome_tables import record_markdown
 from fisher_select.studies.loop import TrainConfig, make_task, train
 from fisher_select.calibration.objectives.base import Context
 from tests.runs import make_run
@@ -286,6 +286,60 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert "| bound@0.05 |" in table and "bound@0.05 vs random@0.05" in table and "- trained:" in table
     gain_vs_forgetting(tmp_path / "gain.png", record)
     assert (tmp_path / "gain.png").stat().st_size > 0
+    _check_the_product_shows_it(tmp_path, record, load)
+
+
+def _check_the_product_shows_it(tmp_path, record, load):
+    """The run's report shows the protocol 2 tables with intervals; the README block is generated from the record."""
+    from fisher_select.report.readme_outcomes import kind_table, readme_block
+    from fisher_select.studies.assemble import keep_record_in_run
+    from tests.runs import write_run_dir
+
+    run_dir = write_run_dir(load(0).run, tmp_path / "run")
+    folder = keep_record_in_run(record, run_dir)
+    assert read_outcomes(folder / "outcomes.json").as_dict() == json.loads(json.dumps(record.as_dict()))  # JSON keys
+    markdown, page = (run_dir / "report.md").read_text(), (run_dir / "report.html").read_text()
+    pair = record.paired["recovered"]["bound@0.05 vs random@0.05"]
+    assert "### outcomes-sft (protocol 2)" in markdown and "| bound@0.05 vs random@0.05 |" in markdown
+    assert f"[{pair['interval'][0]:.3f}, {pair['interval'][1]:.3f}]" in markdown  # the interval, from the record
+    assert "<h3>outcomes-sft (protocol 2)</h3>" in page and "<td>bound@0.05 vs random@0.05</td>" in page
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "outcomes-sft-protocol1.json").write_text(json.dumps({"kind": "sft", "methods": {}}))  # skipped
+    (results / "outcomes-sft.json").write_text(json.dumps(record.as_dict()))
+    block = readme_block(results)
+    shares = [m["recovered"] for m in record.arms["bound@0.05"]["replicates"].values()]
+    verdict = record.verdicts["0.05"]
+    row = next(line for line in kind_table(record) if line.startswith("| bound |"))
+    assert row.startswith(f"| bound | {sum(shares) / len(shares):.2f} [")  # the mean over replicates
+    assert f"**{verdict['verdict']}** vs {verdict['best_peer']}" in block and "No protocol-2 result" not in block
+
+
+def test_the_readme_block_says_plainly_when_no_protocol_2_result_exists(tmp_path):
+    from fisher_select.report.readme_outcomes import readme_block
+
+    (tmp_path / "outcomes-sft-protocol1.json").write_text(json.dumps({"kind": "sft", "methods": {}}))
+    assert readme_block(tmp_path).startswith("**No protocol-2 result exists yet.**")
+    assert readme_block(tmp_path / "missing").startswith("**No protocol-2 result exists yet.**")
+
+
+def test_the_readme_rewriter_replaces_only_the_marked_block(tmp_path):
+    from fisher_select.report.readme_outcomes import BEGIN, END, rewrite_block
+    from scripts.readme_outcomes import main as readme_main
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    assert rewrite_block(readme, "new table") is True
+    assert readme.read_text() == f"# title\n\nbefore\n{BEGIN}\nnew table\n{END}\nafter\n"
+    assert rewrite_block(readme, "new table") is False  # unchanged: nothing written
+    assert readme_main([str(readme), "--results", str(tmp_path), "--check"]) == 1  # stale against no result
+    assert readme_main([str(readme), "--results", str(tmp_path)]) == 0
+    assert "No protocol-2 result exists yet" in readme.read_text() and readme.read_text().endswith(f"{END}\nafter\n")
+    assert readme_main([str(readme), "--results", str(tmp_path), "--check"]) == 0
+    readme.write_text("no markers here\n")
+    with pytest.raises(FisherSelectError, match="must hold the markers .* once each"):
+        rewrite_block(readme, "x")
+    assert readme_main([str(readme), "--results", str(tmp_path)]) == 2 and readme.read_text() == "no markers here\n"
 
 
 def test_replicates_draw_disjoint_splits_of_their_own():

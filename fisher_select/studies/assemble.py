@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 
+from fisher_select.atomic import write_file
+from fisher_select.report.build import regenerate
+from fisher_select.run.io import write_json
+from fisher_select.run.names import OUTCOMES_FILE, outcomes_dir
 from fisher_select.run.outcomes import OUTCOMES_PROTOCOL
 from fisher_select.studies.arms import BUDGETED_ARMS, arm_name
 from fisher_select.studies.cell_run import START
@@ -161,6 +166,16 @@ def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
                        "forgetting_kl": _paired_table(per, protocol["budgets"], "forgetting_kl", resamples)},
             "lr_advice": _lr_advice(per, choices), "verdicts": _verdicts(per, protocol["budgets"], resamples),
             "training_rows": _shares(cells)}
+
+
+def keep_record_in_run(record, run_dir) -> Path:
+    """Write a protocol 2 record (``OutcomesRecord``) into ``RUN/outcomes-<kind>/`` and redraw the run's
+    report, which then shows the study's tables with their intervals."""
+    folder = outcomes_dir(run_dir, record.kind)
+    folder.mkdir(exist_ok=True)
+    write_file(folder / OUTCOMES_FILE, lambda tmp: write_json(tmp, record.as_dict()), overwrite=True)
+    regenerate(run_dir)
+    return folder
 
 
 def _verdicts(per: dict, budgets: list, resamples: int) -> dict:
