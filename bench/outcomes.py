@@ -88,7 +88,8 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--plan", action="store_true", help="print the protocol and its minimum cell count, train nothing")
     v2.add_argument("--budget-minutes", type=float, help="stop before a cell would overrun this many minutes")
     v2.add_argument("--replicates", type=int, default=6)
-    v2.add_argument("--arms", nargs="+", help="default: every arm of fisher_select.studies.arms.ARMS")
+    v2.add_argument("--arms", nargs="+", help="default: the core arms (fisher_select.studies.arms.CORE_ARMS); "
+                                               "add magnitude and lora_config by naming every arm wanted")
     v2.add_argument("--budgets", type=float, nargs="+", help="mask densities (default: the kind's core budgets)")
     v2.add_argument("--train-prompts", type=int, default=48)
     v2.add_argument("--grid-cap", type=int, default=10)
@@ -131,14 +132,14 @@ def calibration_seconds(args) -> float | None:
 
 
 def protocol_of(args):
-    from fisher_select.studies.arms import ARMS
+    from fisher_select.studies.arms import CORE_ARMS
     from fisher_select.studies.protocol import ProtocolV2
 
     d = ProtocolV2(args.kind)
     return ProtocolV2(args.kind, replicates=args.replicates, seed=args.seed, train_prompts=args.train_prompts,
                       validation_prompts=args.validation_prompts or d.validation_prompts,
                       heldout_prompts=args.heldout_prompts or d.heldout_prompts,
-                      budgets=tuple(args.budgets or ()), arms=tuple(args.arms or ARMS), grid_cap=args.grid_cap,
+                      budgets=tuple(args.budgets or ()), arms=tuple(args.arms or CORE_ARMS), grid_cap=args.grid_cap,
                       steps=args.steps, optimizer=args.optimizer, weight_decay=args.weight_decay,
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
                       max_new_tokens=args.max_new_tokens or 16, batch_size=args.batch_size)

@@ -4,6 +4,7 @@ study from replicates' own calibrations to the assembled record."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -254,13 +255,16 @@ def _loader(tmp_path, protocol, records):
 def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     records = _records(12)
     protocol = ProtocolV2("sft", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=3,
-                          budgets=(0.05,), arms=("bound", "random", "random_tensor_counts", "magnitude", "full"), grid_cap=5,
+                          budgets=(0.05,), arms=("bound", "random", "random_tensor_counts", "full"), grid_cap=5,
                           steps=2, prompts_per_step=2, samples_per_prompt=1, max_new_tokens=3, bootstrap=200)
     load = _loader(tmp_path, protocol, records)
     first = run_study(protocol, tmp_path / "cells", load)
     assert first["finished"] and first["computed"] > 0
     again = run_study(protocol, tmp_path / "cells", load)
     assert again["finished"] and again["computed"] == 0 and again["skipped"] == first["computed"]
+    more = dataclasses.replace(protocol, arms=protocol.arms + ("magnitude",))  # an arm added later
+    added = run_study(more, tmp_path / "cells", load)
+    assert added["finished"] and added["computed"] > 0 and added["skipped"] == first["computed"]  # nothing redone
     record = read_outcomes(assemble(tmp_path / "cells", resamples=200))
     assert record.protocol == OUTCOMES_PROTOCOL and record.kind == "sft"
     assert set(record.arms) == {"start", "bound@0.05", "random@0.05", "random_tensor_counts@0.05", "magnitude@0.05",

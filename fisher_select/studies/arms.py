@@ -20,6 +20,8 @@ MASK_ARMS = ("bound", "grad_estimate", "first_batch_grad", "random", "random_ten
 BUDGETED_ARMS = MASK_ARMS + ("lora_config",)  # run at every budget (lora_config: the nearest trainable count)
 OWN_COUNT_ARMS = ("lora_all_linear_r1", "full")  # their own trainable count: no density
 ARMS = BUDGETED_ARMS + OWN_COUNT_ARMS
+LATER_ARMS = ("magnitude", "lora_config")  # issue 32's "then" list: run when the core is done (--arms)
+CORE_ARMS = tuple(a for a in ARMS if a not in LATER_ARMS)  # the study's default
 MAX_TOTAL_RANK = 1 << 14  # lora_config's total rank is searched up to this
 RANDOM_STREAM = 2_000_003  # offset of the random masks' generator from the replicate's seed
 

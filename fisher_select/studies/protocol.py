@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from fisher_select.calibration.prompts import PromptRecord, check_disjoint, normalized_text
 from fisher_select.errors import FisherSelectError
-from fisher_select.studies.arms import ARMS, BUDGETED_ARMS
+from fisher_select.studies.arms import ARMS, BUDGETED_ARMS, CORE_ARMS
 from fisher_select.studies.cells import canonical
 from fisher_select.studies.grid import lr_grid
 
@@ -38,7 +38,7 @@ class ProtocolV2:
     validation_prompts: int = 16
     heldout_prompts: int = 32
     budgets: tuple[float, ...] = ()  # () : CORE_BUDGETS[kind]
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = CORE_ARMS  # ARMS holds every known arm (magnitude, lora_config: --arms)
     grid_points: int = 4
     grid_cap: int = 10  # points in a grid after extension, at most
     steps: int = 8
@@ -75,6 +75,11 @@ class ProtocolV2:
 
     def as_dict(self) -> dict:
         return {"protocol": PROTOCOL_VERSION, **dataclasses.asdict(self), "budgets": list(self.budgets)}
+
+    def cell_settings(self) -> dict:
+        """What defines every cell besides its key: the settings without the list of arms (an arm's cells do
+        not depend on which other arms run, so adding an arm later, e.g. ``magnitude``, keeps every finished cell)."""
+        return {k: v for k, v in self.as_dict().items() if k != "arms"}
 
     def digest(self) -> str:
         return hashlib.sha256(canonical(self.as_dict()).encode()).hexdigest()[:16]
