@@ -190,11 +190,11 @@ def time_cell(args, protocol) -> int:
     cells = ReplicateCells(protocol, replicate_loader(args, protocol)(0), args.progress)
     out = {}
     for name, reuse in (("before", False), ("after", True)):
-        prefix.REUSE_PREFIX = reuse
+        prefix.CACHED = reuse  # before: the plain path; after: the shared prefix once and cached greedy decoding
         started = time.perf_counter()
         result = cells.compute(arm, budget, float(lr), "held_out")
         out[name] = {"seconds": time.perf_counter() - started, "training_seconds": result["training_seconds"],
-                     **{k: result.get(k) for k in ("general_text_nll", "general_kl", "answer_nll", "held_out")}}
+                     **{k: result.get(k) for k in ("general_text_nll", "general_kl", "answer_nll", "greedy_correct", "held_out")}}
     print(json.dumps({"cell": [arm, budget, float(lr)], "threads": args.threads, **out}, indent=1))
     return 0
 

@@ -519,7 +519,7 @@ def test_scoring_with_the_shared_prefix_once_equals_the_plain_path(name, monkeyp
         rows.append(ScoringRow(shared + tail, len(shared) + 2))
     assert prefix.common_prefix(rows) >= prefix.MIN_PREFIX  # the fast path is the one tested
     fast = prefix.row_logprobs(model, rows, 1, "cpu", micro=2)
-    monkeypatch.setattr(prefix, "REUSE_PREFIX", False)
+    monkeypatch.setattr(prefix, "CACHED", False)
     plain = prefix.row_logprobs(model, rows, 1, "cpu", micro=2)
     brute = []
     for r in rows:  # per token, one row at a time, no padding, float64 sums
@@ -593,3 +593,17 @@ def test_lora_config_at_the_nearest_trainable_count_against_enumeration():
         best = min(counts.values(), key=lambda c: (abs(c - want), c))  # nearest; ties: the smaller
         assert lora_config_at(run, model, want)[1] == best
     assert lora_config_at(run, model, 1)[1] == counts[targets]  # below one rank per target: the smallest
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2"])
+def test_greedy_decoding_with_a_kv_cache_equals_the_plain_path_and_a_per_token_loop(name, monkeypatch):
+    from fisher_select.studies import prefix
+
+    model = tiny_model(name)
+    prompts = [[3, 9, 14], [5, 22, 7, 30, 41], [8], [17, 2, 60, 33]]  # unequal lengths: left padded
+    cached = prefix.greedy(model, prompts, 6, {1}, 1, "cpu")
+    monkeypatch.setattr(prefix, "CACHED", False)
+    plain = prefix.greedy(model, prompts, 6, {1}, 1, "cpu")
+    brute = [_brute_greedy(model, p, 6, 1) for p in prompts]
+    assert sum(len(b) for b in brute) > 8  # several tokens each: the cache is really used
+    assert cached == plain == brute  # argmax of the same logits up to fp32 rounding (no near-tie in these)

@@ -27,11 +27,11 @@ import torch
 from fisher_select.calibration.objectives.base import ScoringRow
 from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.rewards import last_number
-from fisher_select.calibration.sampling import eos_ids_of, left_pad, pad_id_of, pad_rows, sample_responses
+from fisher_select.calibration.sampling import eos_ids_of, pad_id_of, pad_rows, sample_responses
 from fisher_select.calibration.config import SELF
 from fisher_select.calibration.teachers import Teacher, TeacherConfig
-from fisher_select.engine.logprob import forward_logits, response_logprobs
-from fisher_select.studies.prefix import row_logprobs
+from fisher_select.engine.logprob import response_logprobs
+from fisher_select.studies.prefix import greedy, row_logprobs
 
 GENERAL_TEXT = Path(__file__).with_name("data") / "general_english.txt"
 GENERAL_PROMPTS = Path(__file__).with_name("data") / "general_prompts.txt"
@@ -110,19 +110,7 @@ def greedy_correct(model, tokenizer, records: list[PromptRecord], max_new_tokens
     out = []
     for i in range(0, len(records), micro):
         part = records[i : i + micro]
-        seqs = [render_prompt(tokenizer, r) for r in part]
-        responses = [[] for _ in part]
-        done = [False] * len(part)
-        for _ in range(max_new_tokens):  # no cache: answers are a few tokens
-            ids, mask = left_pad([s + r for s, r in zip(seqs, responses)], pad, device)  # (B, T)
-            nxt = forward_logits(model, ids, mask, 1)[:, -1].float().argmax(-1).tolist()  # (B,)
-            for b, t in enumerate(nxt):
-                if not done[b]:
-                    done[b] = t in eos
-                    if not done[b]:
-                        responses[b].append(t)
-            if all(done):
-                break
+        responses = greedy(model, [render_prompt(tokenizer, r) for r in part], max_new_tokens, eos, pad, device)
         for r, resp in zip(part, responses):
             got = last_number(tokenizer.decode(resp, skip_special_tokens=True))
             want = float(r.fields[field])
