@@ -401,6 +401,16 @@ def test_bench_v2_pilot_cells_resume_and_assemble(tmp_path, small_llama_dir, cap
     answers = record.arms["full"]["replicates"]["0"]
     assert len(answers["held_out_per_prompt"]) == 2 and "greedy_accuracy" in answers
     assert (tmp_path / "gain.png").stat().st_size > 0
+    written = sorted(p.name for p in cells.rglob("*.json"))
+    assert bench.main([*study, "--time-cell", "bound", "0.01", "0.01"]) == 0  # replicate 0 is calibrated already
+    timed = json.loads(capsys.readouterr().out)
+    before, after = timed["before"], timed["after"]
+    assert before["seconds"] > 0 and after["seconds"] > 0 and timed["cell"] == ["bound", 0.01, 0.01]
+    for key in ("general_text_nll", "general_kl", "held_out"):  # the cached paths give the plain path's numbers
+        assert after[key] == pytest.approx(before[key], abs=1e-4), key
+    assert after["answer_nll"] == pytest.approx(before["answer_nll"], abs=1e-4)
+    assert after["greedy_correct"] == before["greedy_correct"]
+    assert sorted(p.name for p in cells.rglob("*.json")) == written  # timing writes no cell
 
 
 @pytest.mark.parametrize("kind", ["sft", "rl", "opd-pg"])
