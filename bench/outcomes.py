@@ -83,14 +83,20 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--cells", help="the folder of the study's cells (and its replicates' calibration runs)")
     v2.add_argument("--pilot", action="store_true", help="only the pilot replicate: choose every arm's lr")
     v2.add_argument("--assemble", action="store_true", help="build the record and tables from the cells alone")
+    v2.add_argument("--keep-in", metavar="RUN", help="with --assemble: keep the record in RUN/outcomes-<kind>/ "
+                                                      "and redraw RUN's report (it shows the study's tables)")
     v2.add_argument("--plan", action="store_true", help="print the protocol and its minimum cell count, train nothing")
     v2.add_argument("--budget-minutes", type=float, help="stop before a cell would overrun this many minutes")
     v2.add_argument("--replicates", type=int, default=6)
-    v2.add_argument("--arms", nargs="+", help="default: every arm of fisher_select.studies.arms.ARMS")
+    v2.add_argument("--arms", nargs="+", help="default: the core arms (fisher_select.studies.arms.CORE_ARMS); "
+                                               "add magnitude and lora_config by naming every arm wanted")
     v2.add_argument("--budgets", type=float, nargs="+", help="mask densities (default: the kind's core budgets)")
     v2.add_argument("--train-prompts", type=int, default=48)
     v2.add_argument("--grid-cap", type=int, default=10)
     v2.add_argument("--threads", type=int, help="torch threads (default: torch's; on a shared 2-core machine: 2)")
+    v2.add_argument("--time-cell", nargs=3, metavar=("ARM", "BUDGET", "LR"),
+                    help="time one held-out cell of replicate 0 (BUDGET 'none' for full / LoRA), before (plain "
+                         "path) and after (shared prefix once); writes no cell")
     v2.add_argument("--model", help="calibrate and train this model instead of the recipe's (a small one for a smoke)")
     return p.parse_args(argv)
 
@@ -126,14 +132,14 @@ def calibration_seconds(args) -> float | None:
 
 
 def protocol_of(args):
-    from fisher_select.studies.arms import ARMS
+    from fisher_select.studies.arms import CORE_ARMS
     from fisher_select.studies.protocol import ProtocolV2
 
     d = ProtocolV2(args.kind)
     return ProtocolV2(args.kind, replicates=args.replicates, seed=args.seed, train_prompts=args.train_prompts,
                       validation_prompts=args.validation_prompts or d.validation_prompts,
                       heldout_prompts=args.heldout_prompts or d.heldout_prompts,
-                      budgets=tuple(args.budgets or ()), arms=tuple(args.arms or ARMS), grid_cap=args.grid_cap,
+                      budgets=tuple(args.budgets or ()), arms=tuple(args.arms or CORE_ARMS), grid_cap=args.grid_cap,
                       steps=args.steps, optimizer=args.optimizer, weight_decay=args.weight_decay,
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
                       max_new_tokens=args.max_new_tokens or 16, batch_size=args.batch_size)
@@ -171,12 +177,34 @@ def replicate_loader(args, protocol):
     return load
 
 
+def time_cell(args, protocol) -> int:
+    """One held-out cell of replicate 0, timed with the plain scoring path and with the shared prefix computed
+    once (``studies.prefix``); both results are printed so that the lead sees they agree."""
+    from fisher_select.studies import prefix
+    from fisher_select.studies.cell_run import ReplicateCells
+
+    if not args.recipe:
+        raise FisherSelectError("--time-cell calibrates replicate 0 from --recipe NAME (once); give it")
+    arm, budget, lr = args.time_cell
+    budget = None if budget.lower() == "none" else float(budget)
+    cells = ReplicateCells(protocol, replicate_loader(args, protocol)(0), args.progress)
+    out = {}
+    for name, reuse in (("before", False), ("after", True)):
+        prefix.CACHED = reuse  # before: the plain path; after: the shared prefix once and cached greedy decoding
+        started = time.perf_counter()
+        result = cells.compute(arm, budget, float(lr), "held_out")
+        out[name] = {"seconds": time.perf_counter() - started, "training_seconds": result["training_seconds"],
+                     **{k: result.get(k) for k in ("general_text_nll", "general_kl", "answer_nll", "greedy_correct", "held_out")}}
+    print(json.dumps({"cell": [arm, budget, float(lr)], "threads": args.threads, **out}, indent=1))
+    return 0
+
+
 def main_v2(args) -> int:
     from fisher_select.atomic import write_file
     from fisher_select.run.outcomes import read_outcomes
     from fisher_select.studies.assemble import assemble
     from fisher_select.studies.study import run_study
-    from fisher_select.studies.tables import record_markdown
+    from fisher_select.report.outcome_tables import record_markdown
 
     if not args.cells or not args.kind:
         raise FisherSelectError("--v2 needs --cells DIR and --kind")
@@ -189,6 +217,10 @@ def main_v2(args) -> int:
             from fisher_select.studies.outcome_plots import gain_vs_forgetting
 
             write_file(Path(args.plot), lambda tmp: gain_vs_forgetting(tmp, record), overwrite=True)
+        if args.keep_in:
+            from fisher_select.studies.assemble import keep_record_in_run
+
+            print(f"kept in {keep_record_in_run(record, args.keep_in)}; the run's report shows it")
         print("\n".join(record_markdown(record)))
         return 0
     protocol = protocol_of(args)
@@ -199,6 +231,8 @@ def main_v2(args) -> int:
     if args.plan:
         print(json.dumps({"protocol": protocol.as_dict(), "minimum_cells": protocol.minimum_cells()}))
         return 0
+    if args.time_cell:
+        return time_cell(args, protocol)
     if not args.recipe:
         raise FisherSelectError("--v2 calibrates each replicate from --recipe NAME; give it (or --assemble)")
     done = run_study(protocol, args.cells, replicate_loader(args, protocol), budget_minutes=args.budget_minutes,

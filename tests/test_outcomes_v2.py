@@ -4,6 +4,7 @@ study from replicates' own calibrations to the assembled record."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -30,7 +31,7 @@ from fisher_select.studies.paired import paired, trained
 from fisher_select.studies.protocol import ProtocolV2, draw
 from fisher_select.studies.outcome_plots import gain_vs_forgetting
 from fisher_select.studies.study import run_study
-from fisher_select.studies.tables import record_markdown
+from fisher_select.report.outcome_tables import record_markdown
 from fisher_select.studies.loop import TrainConfig, make_task, train
 from fisher_select.calibration.objectives.base import Context
 from tests.runs import make_run
@@ -245,7 +246,8 @@ def _loader(tmp_path, protocol, records):
         run = make_run(cal.fisher, objectives=[{"name": "sft", "signal_scale": None}],
                        fingerprint=fingerprint(model), run_id=f"rep{r}")
         return Replicate(r, run, model, tok, SFTDemonstrationsObjective(demos), splits,
-                         grad_estimate=cal.grad_estimate, general_text=" ".join(str(2 + i % 50) for i in range(60)))
+                         grad_estimate=cal.grad_estimate, general_text=" ".join(str(2 + i % 50) for i in range(60)),
+                         general_prompts=["3 4 5", "6 7 8 9", "10 11"])
 
     return load
 
@@ -260,21 +262,27 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert first["finished"] and first["computed"] > 0
     again = run_study(protocol, tmp_path / "cells", load)
     assert again["finished"] and again["computed"] == 0 and again["skipped"] == first["computed"]
+    more = dataclasses.replace(protocol, arms=protocol.arms + ("magnitude",))  # an arm added later
+    added = run_study(more, tmp_path / "cells", load)
+    assert added["finished"] and added["computed"] > 0 and added["skipped"] == first["computed"]  # nothing redone
     record = read_outcomes(assemble(tmp_path / "cells", resamples=200))
     assert record.protocol == OUTCOMES_PROTOCOL and record.kind == "sft"
-    assert set(record.arms) == {"start", "bound@0.05", "random@0.05", "random_tensor_counts@0.05", "full"}
+    assert set(record.arms) == {"start", "bound@0.05", "random@0.05", "random_tensor_counts@0.05", "magnitude@0.05",
+                                "full"}
     for name in ("bound@0.05", "random@0.05", "full"):
         arm = record.arms[name]
         assert set(arm["replicates"]) == {0, 1} and arm["lr"] == first["lr_choices"][name]["chosen"]
         rep = arm["replicates"][0]
         assert len(rep["held_out_per_prompt"]) == 3 and "forgetting" in rep and "content_gain" in rep
+        assert rep["forgetting_kl"] is not None and (name != "start" or rep["forgetting_kl"] == pytest.approx(0))
     assert record.arms["full"]["replicates"][1]["recovered"] == pytest.approx(1.0)
     assert "bound@0.05 vs random@0.05" in record.paired["recovered"]
     assert record.paired["recovered"]["bound@0.05 vs random@0.05"]["n"] == 2
     assert set(record.on_edge()) <= set(record.lr_choices)
     assert len(record.lr_choices["full"]["grid"]) >= 4
     verdict = record.verdicts["0.05"]
-    assert verdict["best_peer"] in ("random", "random_tensor_counts") and verdict["n"] == 2
+    assert verdict["best_peer"] in ("random", "random_tensor_counts", "magnitude") and verdict["n"] == 2
+    assert record.arms["start"]["replicates"][0]["forgetting_kl"] == pytest.approx(0, abs=1e-5)  # its own responses
     lo, hi = verdict["interval"]
     assert verdict["verdict"] == ("wins" if lo > 0 else "loses" if hi < 0 else "ties")
     assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None
@@ -282,6 +290,60 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert "| bound@0.05 |" in table and "bound@0.05 vs random@0.05" in table and "- trained:" in table
     gain_vs_forgetting(tmp_path / "gain.png", record)
     assert (tmp_path / "gain.png").stat().st_size > 0
+    _check_the_product_shows_it(tmp_path, record, load)
+
+
+def _check_the_product_shows_it(tmp_path, record, load):
+    """The run's report shows the protocol 2 tables with intervals; the README block is generated from the record."""
+    from fisher_select.report.readme_outcomes import kind_table, readme_block
+    from fisher_select.studies.assemble import keep_record_in_run
+    from tests.runs import write_run_dir
+
+    run_dir = write_run_dir(load(0).run, tmp_path / "run")
+    folder = keep_record_in_run(record, run_dir)
+    assert read_outcomes(folder / "outcomes.json").as_dict() == json.loads(json.dumps(record.as_dict()))  # JSON keys
+    markdown, page = (run_dir / "report.md").read_text(), (run_dir / "report.html").read_text()
+    pair = record.paired["recovered"]["bound@0.05 vs random@0.05"]
+    assert "### outcomes-sft (protocol 2)" in markdown and "| bound@0.05 vs random@0.05 |" in markdown
+    assert f"[{pair['interval'][0]:.3f}, {pair['interval'][1]:.3f}]" in markdown  # the interval, from the record
+    assert "<h3>outcomes-sft (protocol 2)</h3>" in page and "<td>bound@0.05 vs random@0.05</td>" in page
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "outcomes-sft-protocol1.json").write_text(json.dumps({"kind": "sft", "methods": {}}))  # skipped
+    (results / "outcomes-sft.json").write_text(json.dumps(record.as_dict()))
+    block = readme_block(results)
+    shares = [m["recovered"] for m in record.arms["bound@0.05"]["replicates"].values()]
+    verdict = record.verdicts["0.05"]
+    row = next(line for line in kind_table(record) if line.startswith("| bound |"))
+    assert row.startswith(f"| bound | {sum(shares) / len(shares):.2f} [")  # the mean over replicates
+    assert f"**{verdict['verdict']}** vs {verdict['best_peer']}" in block and "No protocol-2 result" not in block
+
+
+def test_the_readme_block_says_plainly_when_no_protocol_2_result_exists(tmp_path):
+    from fisher_select.report.readme_outcomes import readme_block
+
+    (tmp_path / "outcomes-sft-protocol1.json").write_text(json.dumps({"kind": "sft", "methods": {}}))
+    assert readme_block(tmp_path).startswith("**No protocol-2 result exists yet.**")
+    assert readme_block(tmp_path / "missing").startswith("**No protocol-2 result exists yet.**")
+
+
+def test_the_readme_rewriter_replaces_only_the_marked_block(tmp_path):
+    from fisher_select.report.readme_outcomes import BEGIN, END, rewrite_block
+    from scripts.readme_outcomes import main as readme_main
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    assert rewrite_block(readme, "new table") is True
+    assert readme.read_text() == f"# title\n\nbefore\n{BEGIN}\nnew table\n{END}\nafter\n"
+    assert rewrite_block(readme, "new table") is False  # unchanged: nothing written
+    assert readme_main([str(readme), "--results", str(tmp_path), "--check"]) == 1  # stale against no result
+    assert readme_main([str(readme), "--results", str(tmp_path)]) == 0
+    assert "No protocol-2 result exists yet" in readme.read_text() and readme.read_text().endswith(f"{END}\nafter\n")
+    assert readme_main([str(readme), "--results", str(tmp_path), "--check"]) == 0
+    readme.write_text("no markers here\n")
+    with pytest.raises(FisherSelectError, match="must hold the markers .* once each"):
+        rewrite_block(readme, "x")
+    assert readme_main([str(readme), "--results", str(tmp_path)]) == 2 and readme.read_text() == "no markers here\n"
 
 
 def test_replicates_draw_disjoint_splits_of_their_own():
@@ -339,6 +401,16 @@ def test_bench_v2_pilot_cells_resume_and_assemble(tmp_path, small_llama_dir, cap
     answers = record.arms["full"]["replicates"]["0"]
     assert len(answers["held_out_per_prompt"]) == 2 and "greedy_accuracy" in answers
     assert (tmp_path / "gain.png").stat().st_size > 0
+    written = sorted(p.name for p in cells.rglob("*.json"))
+    assert bench.main([*study, "--time-cell", "bound", "0.01", "0.01"]) == 0  # replicate 0 is calibrated already
+    timed = json.loads(capsys.readouterr().out)
+    before, after = timed["before"], timed["after"]
+    assert before["seconds"] > 0 and after["seconds"] > 0 and timed["cell"] == ["bound", 0.01, 0.01]
+    for key in ("general_text_nll", "general_kl", "held_out"):  # the cached paths give the plain path's numbers
+        assert after[key] == pytest.approx(before[key], abs=1e-4), key
+    assert after["answer_nll"] == pytest.approx(before["answer_nll"], abs=1e-4)
+    assert after["greedy_correct"] == before["greedy_correct"]
+    assert sorted(p.name for p in cells.rglob("*.json")) == written  # timing writes no cell
 
 
 @pytest.mark.parametrize("kind", ["sft", "rl", "opd-pg"])
@@ -411,7 +483,7 @@ def test_sft_training_logs_the_batch_nll_without_a_second_forward(tmp_path):
 def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares(tmp_path):
     records = _records(10)
     protocol = ProtocolV2("opd-pg", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=2,
-                          budgets=(0.05,), arms=("bound", "full"), grid_cap=5, steps=1, prompts_per_step=2,
+                          budgets=(0.05,), arms=("bound", "lora_config", "full"), grid_cap=5, steps=1, prompts_per_step=2,
                           samples_per_prompt=2, max_new_tokens=3, bootstrap=100)
     teachers = []
 
@@ -424,7 +496,8 @@ def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares
         run = make_run(fisher, objectives=[{"name": "opd-pg", "signal_scale": 2.0}], fingerprint=fingerprint(model),
                        run_id=f"rep{r}")
         teachers.append(objective)
-        return Replicate(r, run, model, tok, objective, splits, general_text="3 4 5 6 7 8 9 10 11 12")
+        return Replicate(r, run, model, tok, objective, splits, general_text="3 4 5 6 7 8 9 10 11 12",
+                         general_prompts=["3 4 5", "6 7 8 9"])
 
     done = run_study(protocol, tmp_path / "cells", load)
     assert done["finished"]
@@ -435,3 +508,112 @@ def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares
     assert 0.0 <= record.training_rows["signal_share"] <= 1.0 and record.training_rows["finished_share"] is not None
     sums = record.arms["bound@0.05"]["replicates"][0]["mask_sums"]
     assert sums["sqrt_fs"] == pytest.approx(sums["sqrt_f"] * math.sqrt(2.0)) and sums["abs_g_hat"] is None
+    lora = record.arms["lora_config@0.05"]["replicates"][0]
+    assert lora["trainable"] > 0 and "bound@0.05 vs lora_config@0.05" in record.paired["recovered"]
+
+
+# --- speed work that is exact: the shared prompt prefix computed once ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2"])
+def test_scoring_with_the_shared_prefix_once_equals_the_plain_path(name, monkeypatch):
+    from fisher_select.calibration.objectives.base import ScoringRow
+    from fisher_select.studies import prefix
+
+    torch.manual_seed(0)
+    model = tiny_model(name).eval()
+    shared = [int(x) for x in torch.randint(2, 60, (12,))]  # the system prompt and solved examples
+    rows = []
+    for n in (3, 1, 5, 2, 4):  # problems and answers of different lengths: the suffixes are right padded
+        tail = [int(x) for x in torch.randint(2, 60, (n + 2,))]
+        rows.append(ScoringRow(shared + tail, len(shared) + 2))
+    assert prefix.common_prefix(rows) >= prefix.MIN_PREFIX  # the fast path is the one tested
+    fast = prefix.row_logprobs(model, rows, 1, "cpu", micro=2)
+    monkeypatch.setattr(prefix, "CACHED", False)
+    plain = prefix.row_logprobs(model, rows, 1, "cpu", micro=2)
+    brute = []
+    for r in rows:  # per token, one row at a time, no padding, float64 sums
+        logits = model(torch.tensor([r.ids])).logits[0].detach().double()  # (T, V)
+        brute.append(sum(float(torch.log_softmax(logits[t - 1], -1)[r.ids[t]]) for t in range(r.start, len(r.ids))))
+    assert plain == pytest.approx(brute, abs=1e-4)
+    assert fast == pytest.approx(plain, abs=1e-4)  # fp32 rounding only: sums of ~5 log-probs of ~-4 each
+
+
+def test_no_common_prefix_falls_back_to_the_plain_path():
+    from fisher_select.calibration.objectives.base import ScoringRow
+    from fisher_select.studies.prefix import common_prefix
+
+    rows = [ScoringRow([5, 6, 7, 8], 2), ScoringRow([5, 9, 7, 8], 3)]
+    assert common_prefix(rows) == 1
+    assert common_prefix([ScoringRow([5, 6, 7, 8], 2), ScoringRow([5, 6, 7, 8, 9], 4)]) == 1  # min(start) - 1
+
+
+# --- forgetting as the KL on the starting model's own general responses; |theta| and lora_config arms -----
+
+
+def test_general_kl_against_a_per_token_brute_force_on_common_responses():
+    model, tok = tiny_model("llama-tied"), DemoTokenizer(64)
+    prompts = ["3 4 5", "6 7 8 9", "10 11"]
+    rows, start = measures.general_responses(model, tok, seed=7, prompts=prompts, max_new_tokens=6, samples=3)
+    again, _ = measures.general_responses(model, tok, seed=7, prompts=prompts, max_new_tokens=6, samples=3)
+    assert [r.ids for r in rows] == [r.ids for r in again] and rows  # the same responses for every arm
+    assert measures.general_kl(model, rows, start, 1) == pytest.approx(0.0, abs=1e-6)
+    moved = tiny_model("llama-tied", seed=3)  # another model: the KL is not 0
+    got = measures.general_kl(moved, rows, start, 1)
+    diff, tokens = 0.0, 0
+    with torch.no_grad():
+        for r in rows:  # one row at a time, no padding, float64
+            lp0 = torch.log_softmax(model(torch.tensor([r.ids])).logits[0].double(), -1)  # (T, V)
+            lp1 = torch.log_softmax(moved(torch.tensor([r.ids])).logits[0].double(), -1)
+            for t in range(r.start, len(r.ids)):
+                diff += float(lp0[t - 1, r.ids[t]] - lp1[t - 1, r.ids[t]])
+                tokens += 1
+    assert abs(diff / tokens) > 1e-3 and got == pytest.approx(diff / tokens, abs=1e-5)
+
+
+def test_magnitude_masks_take_the_largest_starting_weights():
+    model = tiny_model("llama-untied")
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fisher = {n: torch.rand(t.shape) for n, t in theta0.items()}
+    masks = arm_masks("magnitude", 0.1, fisher=fisher, grad_estimate=None, first_batch=None, seed=0, theta0=theta0)
+    total = sum(t.numel() for t in theta0.values())
+    chosen = torch.cat([theta0[n][m].abs() for n, m in masks.items()])
+    left = torch.cat([theta0[n][~m].abs() for n, m in masks.items()])
+    assert len(chosen) == round(0.1 * total) and float(chosen.min()) >= float(left.max())
+
+
+def test_lora_config_at_the_nearest_trainable_count_against_enumeration():
+    import copy
+
+    import peft
+
+    from fisher_select.outputs.lora import lora_hints
+    from fisher_select.studies.arms import lora_config_at, lora_count
+
+    model = tiny_model("llama-untied")
+    fisher = {n: torch.rand(p.shape, generator=torch.Generator().manual_seed(1)) for n, p in model.named_parameters()}
+    run = make_run(fisher, fingerprint=fingerprint(model))
+    targets = len(lora_hints(run, model=model, rank_step=1, mean_rank=1).ranks)
+    counts = {t: lora_count(model, lora_hints(run, model=model, rank_step=1, total_rank=t))
+              for t in range(targets, 120)}
+    hints = lora_hints(run, model=model, rank_step=1, total_rank=targets + 9)
+    adapted = peft.get_peft_model(copy.deepcopy(model), hints.peft_config())
+    assert lora_count(model, hints) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)  # PEFT's own count
+    for want in (counts[targets + 3] + 1, counts[targets + 10] - 2, counts[40], counts[100] + 7):
+        best = min(counts.values(), key=lambda c: (abs(c - want), c))  # nearest; ties: the smaller
+        assert lora_config_at(run, model, want)[1] == best
+    assert lora_config_at(run, model, 1)[1] == counts[targets]  # below one rank per target: the smallest
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2"])
+def test_greedy_decoding_with_a_kv_cache_equals_the_plain_path_and_a_per_token_loop(name, monkeypatch):
+    from fisher_select.studies import prefix
+
+    model = tiny_model(name)
+    prompts = [[3, 9, 14], [5, 22, 7, 30, 41], [8], [17, 2, 60, 33]]  # unequal lengths: left padded
+    cached = prefix.greedy(model, prompts, 6, {1}, 1, "cpu")
+    monkeypatch.setattr(prefix, "CACHED", False)
+    plain = prefix.greedy(model, prompts, 6, {1}, 1, "cpu")
+    brute = [_brute_greedy(model, p, 6, 1) for p in prompts]
+    assert sum(len(b) for b in brute) > 8  # several tokens each: the cache is really used
+    assert cached == plain == brute  # argmax of the same logits up to fp32 rounding (no near-tie in these)

@@ -1,9 +1,11 @@
 """The report's "Outcomes at matched budgets" section: what the outcome study measured from this run.
 
-Read from ``RUN/outcomes-<kind>/outcomes.json`` (``studies.outcomes.outcome_study``, written by
-``bench/outcomes.py``): for each method at its budget, the share of full fine-tuning's held-out
-improvement it recovered, each at its own learning rate chosen on validation prompts. The
-findings say plainly where a simpler rule or PEFT's default matched or beat the bound's choice.
+Read from ``RUN/outcomes-<kind>/outcomes.json``. A protocol 2 record (``run.outcomes``, written by
+``bench/outcomes.py --v2 --assemble --keep-in RUN``) shows the study's tables with their intervals
+(``report.outcome_tables``): per arm the recovered share and forgetting over replicates, the paired
+statistics of the bound against each peer, and the verdict per budget. A protocol 1 study
+(withdrawn, kept for one release) shows its old table: for each method at its budget, the share of
+full fine-tuning's held-out improvement it recovered, and where a simpler rule matched the bound.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import math
 import statistics
 from pathlib import Path
 
+from fisher_select.report.outcome_tables import record_markdown
 from fisher_select.run.io import read_json_files
 from fisher_select.run.names import OUTCOMES_GLOB, OUTCOMES_PLOT
+from fisher_select.run.outcomes import read_outcomes
 
 # The fisher_select choice each peer is held against: masks at the same density, LoRA and SHiRA
 # at the same trainable count.
@@ -102,11 +106,31 @@ def _intro(report: dict) -> str:
             f"its own learning rate chosen on validation prompts, reported on held-out prompts).")
 
 
+def is_protocol2(report: dict) -> bool:
+    return "protocol" in report  # protocol 1 files have no "protocol" key
+
+
+def _v2_intro(settings: dict) -> str:
+    return (f"Protocol 2: {settings.get('replicates', '?')} replicates, each with its own calibration and draw of "
+            f"training, validation and held-out prompts; {settings.get('optimizer', '?')}, {settings.get('steps', '?')} "
+            "steps; every arm at the lr the pilot replicate chose on validation (`*`: still on its grid's edge). "
+            "Means ± standard error over replicates; paired differences of the bound against each peer with 95% "
+            "bootstrap intervals, paired t and Wilcoxon p-values.")
+
+
+def _v2_lines(name: str, report: dict) -> list[str]:
+    record = read_outcomes(report)
+    return ["", f"### {name} (protocol 2)", "", _v2_intro(record.settings), "", *record_markdown(record)]
+
+
 def markdown_lines(outcomes: list[tuple[str, dict]]) -> list[str]:
     if not outcomes:
         return []
     out = ["", "## Outcomes at matched budgets"]
     for name, report in outcomes:
+        if is_protocol2(report):
+            out += _v2_lines(name, report)
+            continue
         out += ["", f"### {name}", "", _intro(report), ""] + outcome_table(report)
         notes = findings(report)
         out += ([""] + [f"- {n}" for n in notes]) if notes else ["", "- No peer matched fisher_select's choice."]
@@ -128,10 +152,43 @@ def html_section(outcomes: list[tuple[str, dict]], run_dir=None) -> str:
     e = html.escape
     parts = ["<h2>Outcomes at matched budgets</h2>"]
     for name, report in outcomes:
+        if is_protocol2(report):
+            parts.append(markdown_html(_v2_lines(name, report)))
+            continue
         cells = ["".join(f"<td>{e(c)}</td>" for c in r) for r in _rows(report)]
         head = "".join(f"<th>{e(h)}</th>" for h in HEADER)
         notes = findings(report) or ["No peer matched fisher_select's choice."]
         parts.append(f"<h3>{e(name)}</h3><p>{e(_intro(report))}</p><p>{e(_headline(report))}</p>"
                      f"<table><tr>{head}</tr>{''.join(f'<tr>{c}</tr>' for c in cells)}</table>"
                      f"<ul>{''.join(f'<li>{e(n)}</li>' for n in notes)}</ul>{_image(run_dir, name)}")
+    return "".join(parts)
+
+
+def markdown_html(lines: list[str]) -> str:
+    """The few markdown forms the protocol 2 section uses, as HTML: ### headings, tables, bullets, paragraphs."""
+    e, parts, i = html.escape, [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("|"):
+            rows = []
+            while i < len(lines) and lines[i].startswith("|"):
+                if not set(lines[i]) <= set("|-: "):  # the separator row
+                    rows.append([c.strip() for c in lines[i].strip("|").split("|")])
+                i += 1
+            head = "".join(f"<th>{e(c)}</th>" for c in rows[0])
+            body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+            parts.append(f"<table><tr>{head}</tr>{body}</table>")
+            continue
+        if line.startswith("- "):
+            items = []
+            while i < len(lines) and lines[i].startswith("- "):
+                items.append(f"<li>{e(lines[i][2:])}</li>")
+                i += 1
+            parts.append(f"<ul>{''.join(items)}</ul>")
+            continue
+        if line.startswith("### "):
+            parts.append(f"<h3>{e(line[4:])}</h3>")
+        elif line:
+            parts.append(f"<p>{e(line)}</p>")
+        i += 1
     return "".join(parts)

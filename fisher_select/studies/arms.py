@@ -16,9 +16,13 @@ import torch
 from fisher_select.errors import FisherSelectError
 from fisher_select.stats.ranking import global_top_masks
 
-MASK_ARMS = ("bound", "grad_estimate", "first_batch_grad", "random", "random_tensor_counts")
+MASK_ARMS = ("bound", "grad_estimate", "first_batch_grad", "random", "random_tensor_counts", "magnitude")
+BUDGETED_ARMS = MASK_ARMS + ("lora_config",)  # run at every budget (lora_config: the nearest trainable count)
 OWN_COUNT_ARMS = ("lora_all_linear_r1", "full")  # their own trainable count: no density
-ARMS = MASK_ARMS + OWN_COUNT_ARMS
+ARMS = BUDGETED_ARMS + OWN_COUNT_ARMS
+LATER_ARMS = ("magnitude", "lora_config")  # issue 32's "then" list: run when the core is done (--arms)
+CORE_ARMS = tuple(a for a in ARMS if a not in LATER_ARMS)  # the study's default
+MAX_TOTAL_RANK = 1 << 14  # lora_config's total rank is searched up to this
 RANDOM_STREAM = 2_000_003  # offset of the random masks' generator from the replicate's seed
 
 
@@ -45,8 +49,9 @@ def random_with_counts(reference: dict[str, torch.Tensor], seed: int) -> dict[st
 
 
 def arm_masks(arm: str, density: float, *, fisher: dict, grad_estimate: dict | None, first_batch: dict | None,
-              seed: int) -> dict[str, torch.Tensor]:
-    """The masks of one mask arm at ``density`` for the replicate with ``seed``."""
+              seed: int, theta0: dict | None = None) -> dict[str, torch.Tensor]:
+    """The masks of one mask arm at ``density`` for the replicate with ``seed`` (``theta0``: the starting
+    parameters, for the ``magnitude`` arm)."""
     if arm == "bound":
         return global_top_masks(fisher, density)  # sqrt(F S) ranks as F for one objective
     if arm == "grad_estimate":
@@ -60,6 +65,8 @@ def arm_masks(arm: str, density: float, *, fisher: dict, grad_estimate: dict | N
         return random_masks({n: tuple(f.shape) for n, f in fisher.items()}, density, seed)
     if arm == "random_tensor_counts":
         return random_with_counts(global_top_masks(fisher, density), seed)
+    if arm == "magnitude":
+        return global_top_masks({n: theta0[n].abs() for n in fisher}, density)
     raise FisherSelectError(f"unknown mask arm {arm!r}; known: {', '.join(MASK_ARMS)}")
 
 
@@ -81,3 +88,42 @@ def lora_rank1(model):
 
     config = peft.LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
+
+
+def lora_count(model, hints) -> int:
+    """Trainable LoRA parameters of ``hints`` on ``model``: rank x (fan-in + fan-out) per target."""
+    return sum(r * sum(model.get_submodule(name).weight.shape) for name, r in hints.ranks.items())
+
+
+def lora_config_at(run, model, count: int):
+    """fisher_select's ``lora_config`` (rank step 1) at the total rank whose trainable count is nearest
+    ``count`` (ties: the smaller), with its count; the smallest when even one rank per target exceeds it.
+    Bisection on the total rank: the count grows with it."""
+    from fisher_select.outputs.lora import lora_hints
+
+    def at(total: int):
+        hints = lora_hints(run, model=model, rank_step=1, total_rank=total)
+        return hints, lora_count(model, hints)
+
+    targets = len(lora_hints(run, model=model, rank_step=1, mean_rank=1).ranks)  # total rank >= one per target
+    lo, hi = targets, max(targets, MAX_TOTAL_RANK)  # the smallest total whose count reaches ``count`` is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if at(mid)[1] >= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    above = at(lo)
+    below = at(lo - 1) if lo > targets else None
+    if below is not None and count - below[1] <= above[1] - count:
+        return below
+    return above
+
+
+def lora_config_model(model, run, budget: float):
+    """``model`` adapted (PEFT) with ``lora_config`` at the count nearest ``budget`` x its parameters."""
+    import peft
+
+    total = sum(p.numel() for p in model.parameters())
+    hints, _ = lora_config_at(run, model, round(budget * total))
+    return peft.get_peft_model(model, hints.peft_config())

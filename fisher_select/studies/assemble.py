@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 
+from fisher_select.atomic import write_file
+from fisher_select.report.build import regenerate
+from fisher_select.run.io import write_json
+from fisher_select.run.names import OUTCOMES_FILE, outcomes_dir
 from fisher_select.run.outcomes import OUTCOMES_PROTOCOL
-from fisher_select.studies.arms import MASK_ARMS, arm_name
+from fisher_select.studies.arms import BUDGETED_ARMS, arm_name
 from fisher_select.studies.cell_run import START
 from fisher_select.errors import FisherSelectError
 from fisher_select.studies.cells import canonical, read_cells
@@ -70,6 +75,7 @@ def _measures(res: dict, start: dict, full: dict | None, sign: float) -> dict:
     after, before = _mean(res["held_out"]), _mean(start["held_out"])
     m = {"lr": res["lr"], "held_out": after, "held_out_per_prompt": res["held_out"], "gain": sign * (after - before),
          "forgetting": res["general_text_nll"] - start["general_text_nll"], "trainable": res["trainable"],
+         "forgetting_kl": res.get("general_kl"),  # KL from the starting model on its own general responses
          "mask_sums": res.get("mask_sums"), "training_seconds": res["training_seconds"]}
     if "answer_nll" in res:
         m["content_gain"] = _mean(start["answer_nll"]) - _mean(res["answer_nll"])  # > 0: the answers got likelier
@@ -87,13 +93,14 @@ def _paired_table(per: dict, budgets: list, measure: str, resamples: int) -> dic
     out = {}
     for b in budgets:
         bound = per.get(arm_name("bound", b), {})
-        for arm in MASK_ARMS[1:] + ("lora_all_linear_r1",):
-            peer = per.get(arm if arm not in MASK_ARMS else arm_name(arm, b), {})
+        for arm in BUDGETED_ARMS[1:] + ("lora_all_linear_r1",):
+            at = b if arm in BUDGETED_ARMS else None  # lora_all_linear_r1 has its own count
+            peer = per.get(arm_name(arm, at), {})
             reps = sorted(set(bound) & set(peer))
             pairs = [(bound[r].get(measure), peer[r].get(measure)) for r in reps]
             pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
             if pairs:
-                out[f"bound@{b:g} vs {arm_name(arm, b if arm in MASK_ARMS else None)}"] = paired(
+                out[f"bound@{b:g} vs {arm_name(arm, at)}"] = paired(
                     [x for x, _ in pairs], [y for _, y in pairs], resamples=resamples)
     return out
 
@@ -155,9 +162,20 @@ def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
             "higher_is_better": higher, "lr_choices": choices, "arms": arms, "trained": trained(full),
             "noise_floor": _noise_floor(cells), "discriminates": _discriminates(per),
             "paired": {"recovered": _paired_table(per, protocol["budgets"], "recovered", resamples),
-                       "forgetting": _paired_table(per, protocol["budgets"], "forgetting", resamples)},
+                       "forgetting": _paired_table(per, protocol["budgets"], "forgetting", resamples),
+                       "forgetting_kl": _paired_table(per, protocol["budgets"], "forgetting_kl", resamples)},
             "lr_advice": _lr_advice(per, choices), "verdicts": _verdicts(per, protocol["budgets"], resamples),
             "training_rows": _shares(cells)}
+
+
+def keep_record_in_run(record, run_dir) -> Path:
+    """Write a protocol 2 record (``OutcomesRecord``) into ``RUN/outcomes-<kind>/`` and redraw the run's
+    report, which then shows the study's tables with their intervals."""
+    folder = outcomes_dir(run_dir, record.kind)
+    folder.mkdir(exist_ok=True)
+    write_file(folder / OUTCOMES_FILE, lambda tmp: write_json(tmp, record.as_dict()), overwrite=True)
+    regenerate(run_dir)
+    return folder
 
 
 def _verdicts(per: dict, budgets: list, resamples: int) -> dict:
@@ -165,7 +183,7 @@ def _verdicts(per: dict, budgets: list, resamples: int) -> dict:
     wins / loses when the 95% interval of the paired difference excludes 0, else ties."""
     out = {}
     for b in budgets:
-        peers = {arm: _summary(per.get(arm_name(arm, b), {})).get("recovered") for arm in MASK_ARMS[1:]}
+        peers = {arm: _summary(per.get(arm_name(arm, b), {})).get("recovered") for arm in BUDGETED_ARMS[1:]}
         peers = {a: s for a, s in peers.items() if s}
         if not peers or arm_name("bound", b) not in per:
             continue
@@ -194,7 +212,7 @@ def _shares(cells: list[dict]) -> dict:
 
 def _summary(reps: dict) -> dict:
     out = {}
-    for measure in ("recovered", "content_recovered", "forgetting", "greedy_accuracy", "gain"):
+    for measure in ("recovered", "content_recovered", "forgetting", "forgetting_kl", "greedy_accuracy", "gain"):
         values = [m[measure] for m in reps.values() if m.get(measure) is not None]
         if values:
             se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fisher_select.calibration.objectives.base import Context
 from fisher_select.errors import FisherSelectError
 from fisher_select.studies import measures
-from fisher_select.studies.arms import MASK_ARMS, arm_masks, lora_rank1, mask_sums
+from fisher_select.studies.arms import MASK_ARMS, arm_masks, lora_config_model, lora_rank1, mask_sums
 from fisher_select.studies.protocol import ProtocolV2
 from fisher_select.studies.loop import OnPolicyTask, Streams, TrainConfig, backward, make_task, train
 from fisher_select.studies.movement import gradients, load_snapshot, snapshot
@@ -41,6 +41,7 @@ class Replicate:
     device: str = "cpu"
     grad_estimate: dict | None = None  # None: the run's gradient-estimate file, if it has one
     general_text: str | None = None  # forgetting is measured on it (None: the prose shipped with the package)
+    general_prompts: list[str] | None = None  # and as the KL on responses to these (None: the shipped file)
 
 
 class ReplicateCells:
@@ -60,6 +61,9 @@ class ReplicateCells:
                 pass
         self.task = self._task_on(rep.model)
         self.first_batch = None
+        # the starting model's own responses to general prompts, sampled once: every arm's KL is on these
+        self.general_rows, self.general_start = measures.general_responses(
+            rep.model, rep.tokenizer, protocol.seed + rep.index, rep.general_prompts)
 
     def _task_on(self, model):
         objective = copy.copy(self.rep.objective)  # prepare() binds a 'self' teacher to this model only
@@ -80,10 +84,11 @@ class ReplicateCells:
         if arm in MASK_ARMS:
             masks = arm_masks(arm, budget, fisher=self.fisher, grad_estimate=self.grad_estimate,
                               first_batch=self._first_batch() if arm == "first_batch_grad" else None,
-                              seed=self.protocol.seed + self.rep.index)
+                              seed=self.protocol.seed + self.rep.index, theta0=self.theta0)
             sums = mask_sums(masks, self.fisher, self.grad_estimate, self.scale)
-        elif arm == "lora_all_linear_r1":
-            model = lora_rank1(copy.deepcopy(self.rep.model))
+        elif arm in ("lora_all_linear_r1", "lora_config"):
+            copied = copy.deepcopy(self.rep.model)
+            model = lora_rank1(copied) if arm == "lora_all_linear_r1" else lora_config_model(copied, self.rep.run, budget)
             task = self._task_on(model)
         if arm != START:
             task.restart()  # the replicate's seed: every arm sees the same batches
@@ -104,7 +109,8 @@ class ReplicateCells:
         held = self.rep.splits["held-out"]
         bs = self.protocol.batch_size
         out = {"held_out": [task.evaluate([r], EVAL_SEED + i, bs) for i, r in enumerate(held)],
-               "general_text_nll": measures.general_text_nll(model, self.rep.tokenizer, self.rep.general_text)}
+               "general_text_nll": measures.general_text_nll(model, self.rep.tokenizer, self.rep.general_text),
+               "general_kl": measures.general_kl(model, self.general_rows, self.general_start, self.task.pad)}
         if all("answer" in r.fields for r in held):
             out["answer_nll"] = measures.answer_nll(model, self.rep.tokenizer, held)
             out["greedy_correct"] = measures.greedy_correct(model, self.rep.tokenizer, held,

@@ -18,7 +18,7 @@ from pathlib import Path
 from fisher_select.atomic import write_file
 from fisher_select.errors import FisherSelectError
 
-STUDY_CODE_VERSION = "2.0"  # bump when the study code changes what a cell measures: every cell is redone
+STUDY_CODE_VERSION = "2.1"  # bump when the study code changes what a cell measures: every cell is redone
 STAGES = ("pilot", "held_out")  # pilot: validation only, to choose the lr; held_out: the reported outcome
 
 

@@ -30,6 +30,7 @@ from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.sampling import eos_ids_of, pad_id_of, pad_rows, sample_responses
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.errors import FisherSelectError
+from fisher_select.studies.prefix import row_logprobs
 from fisher_select.training.enforce import apply_masks
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -228,11 +229,7 @@ class DemonstrationTask:
 
     @torch.no_grad()
     def _logprob_sum(self, rows: list[ScoringRow], micro: int = 8) -> float:
-        total = 0.0
-        for i in range(0, len(rows), micro):
-            ids, mask, resp = pad_rows(rows[i : i + micro], self.pad, self.ctx.device)
-            total += float(response_logprobs(self.ctx.model, ids, mask, resp).sum())
-        return total
+        return sum(row_logprobs(self.ctx.model, rows, self.pad, self.ctx.device, micro))  # the shared prefix once
 
     def evaluate(self, records: list[PromptRecord], seed: int, rows_per_pass: int) -> float:
         """Mean NLL per demonstration of the demonstrations paired with ``records``."""

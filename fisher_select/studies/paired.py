@@ -8,6 +8,8 @@ import statistics
 import numpy as np
 from scipy import stats as sps
 
+from fisher_select.stats.bootstrap import bootstrap_interval
+
 TRAINED_SE = 3.0  # a kind counts as trained when full fine-tuning's improvement is at least this many SE
 
 
@@ -28,10 +30,7 @@ def paired(bound: list[float], peer: list[float], *, resamples: int = 10_000, se
            "t_p": None, "wilcoxon_p": None, "differences": d.tolist()}
     if n < 2:
         return out
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, n, size=(resamples, n))].mean(axis=1)  # (resamples,)
-    tail = (1.0 - level) / 2.0
-    out["interval"] = [float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))]
+    out["interval"] = bootstrap_interval(d, resamples=resamples, seed=seed, level=level)
     if np.ptp(d) > 0:
         out["t_p"] = float(sps.ttest_rel(bound, peer).pvalue)
     if np.any(d != 0):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from fisher_select.calibration.prompts import PromptRecord, check_disjoint, normalized_text
 from fisher_select.errors import FisherSelectError
-from fisher_select.studies.arms import ARMS, MASK_ARMS
+from fisher_select.studies.arms import ARMS, BUDGETED_ARMS, CORE_ARMS
 from fisher_select.studies.cells import canonical
 from fisher_select.studies.grid import lr_grid
 
@@ -38,7 +38,7 @@ class ProtocolV2:
     validation_prompts: int = 16
     heldout_prompts: int = 32
     budgets: tuple[float, ...] = ()  # () : CORE_BUDGETS[kind]
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = CORE_ARMS  # ARMS holds every known arm (magnitude, lora_config: --arms)
     grid_points: int = 4
     grid_cap: int = 10  # points in a grid after extension, at most
     steps: int = 8
@@ -76,13 +76,18 @@ class ProtocolV2:
     def as_dict(self) -> dict:
         return {"protocol": PROTOCOL_VERSION, **dataclasses.asdict(self), "budgets": list(self.budgets)}
 
+    def cell_settings(self) -> dict:
+        """What defines every cell besides its key: the settings without the list of arms (an arm's cells do
+        not depend on which other arms run, so adding an arm later, e.g. ``magnitude``, keeps every finished cell)."""
+        return {k: v for k, v in self.as_dict().items() if k != "arms"}
+
     def digest(self) -> str:
         return hashlib.sha256(canonical(self.as_dict()).encode()).hexdigest()[:16]
 
     def cells(self) -> list[tuple[str, float | None]]:
-        """(arm, budget) pairs: mask arms at every budget, the others once at their own count."""
-        return [(a, b) for a in self.arms if a in MASK_ARMS for b in self.budgets] + [
-            (a, None) for a in self.arms if a not in MASK_ARMS]
+        """(arm, budget) pairs: mask arms and lora_config at every budget, the others once at their own count."""
+        return [(a, b) for a in self.arms if a in BUDGETED_ARMS for b in self.budgets] + [
+            (a, None) for a in self.arms if a not in BUDGETED_ARMS]
 
     def minimum_cells(self) -> dict:
         """Cells the study needs when no grid is extended: pilot (every starting grid point on replicate 0)
@@ -95,9 +100,9 @@ class ProtocolV2:
         """The grid a pilot starts from (extended later while its choice is on an edge)."""
         if arm == "full":
             return lr_grid(1e-6, self.grid_points)
-        if arm not in MASK_ARMS:
+        if budget is None:  # LoRA at its own count
             return lr_grid(1e-4, self.grid_points)
-        if budget <= SMALL_BUDGET:
+        if budget <= SMALL_BUDGET:  # a few coordinates (masks, or lora_config at that count) need a large lr
             return lr_grid(1e-3, max(self.grid_points, 7))  # 1e-3 .. 1.0
         return lr_grid(1e-4, max(self.grid_points, 5))  # 1e-4 .. 1e-2
 

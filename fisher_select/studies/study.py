@@ -24,7 +24,7 @@ def replicate_context(protocol: ProtocolV2, rep: Replicate) -> dict:
     """What defines a replicate's cells besides their key: model, calibration, draw, protocol."""
     fingerprint = hashlib.sha256(canonical(rep.run.fingerprint).encode()).hexdigest()
     return {"model": fingerprint, "calibration": rep.run.run_id, "draw": draw_identity(rep.splits),
-            "protocol": protocol.as_dict()}
+            "protocol": protocol.cell_settings()}
 
 
 class Study:

@@ -14,14 +14,16 @@ def _ms(summary: dict | None, digits: int = 3) -> str:
 
 def arm_table(record: OutcomesRecord) -> list[str]:
     """One row per arm: lr (``*``: still on its grid's edge), recovered share, content share, forgetting, accuracy."""
-    lines = ["| arm | lr | recovered | content recovered | forgetting (general-text NLL/token) | greedy accuracy | "
-             "replicates |", "|---|---|---|---|---|---|---:|"]
+    lines = ["| arm | lr | recovered | content recovered | forgetting (general-text NLL/token) | "
+             "forgetting (KL/token on general responses) | greedy accuracy | replicates |",
+             "|---|---|---|---|---|---|---|---:|"]
     for name, arm in record.arms.items():
         if name == "start":
             continue
         lr = "-" if arm.get("lr") is None else f"{arm['lr']:.3g}" + (" *" if arm.get("lr_on_edge") else "")
         lines.append(f"| {name} | {lr} | {_ms(arm.get('recovered'))} | {_ms(arm.get('content_recovered'))} | "
-                     f"{_ms(arm.get('forgetting'))} | {_ms(arm.get('greedy_accuracy'))} | {len(arm['replicates'])} |")
+                     f"{_ms(arm.get('forgetting'))} | {_ms(arm.get('forgetting_kl'))} | {_ms(arm.get('greedy_accuracy'))} | "
+                     f"{len(arm['replicates'])} |")
     return lines
 
 
@@ -61,4 +63,4 @@ def verdict_lines(record: OutcomesRecord) -> list[str]:
 
 def record_markdown(record: OutcomesRecord) -> list[str]:
     return [*verdict_lines(record), "", *arm_table(record), "", *paired_table(record, "recovered"), "",
-            *paired_table(record, "forgetting")]
+            *paired_table(record, "forgetting"), "", *paired_table(record, "forgetting_kl")]
