@@ -617,3 +617,14 @@ def test_greedy_decoding_with_a_kv_cache_equals_the_plain_path_and_a_per_token_l
     brute = [_brute_greedy(model, p, 6, 1) for p in prompts]
     assert sum(len(b) for b in brute) > 8  # several tokens each: the cache is really used
     assert cached == plain == brute  # argmax of the same logits up to fp32 rounding (no near-tie in these)
+
+
+def test_the_readme_outcomes_block_is_generated_from_the_committed_results():
+    """README's "Does it work?" verdicts come from bench/results/outcomes-<kind>.json, never by hand."""
+    from pathlib import Path
+
+    from fisher_select.report.readme_outcomes import BEGIN, END, readme_block
+
+    root = Path(__file__).resolve().parents[1]
+    block = readme_block(str(root / "bench" / "results"))
+    assert f"{BEGIN}\n{block}\n{END}" in (root / "README.md").read_text(encoding="utf-8")
