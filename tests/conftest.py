@@ -21,7 +21,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs on the embedded default or several processes "
-                                       "(`make test-fast` leaves them out; `make test` runs everything)")
+                                       "(`make test-fast` leaves them out; `make test` runs everything else)")
+    config.addinivalue_line("markers", "simulation: the GPU machine simulated on this CPU (a fresh venv, minutes; "
+                                       "left out by default: `pytest -m simulation`, or bash bench/gpu_simulate.sh)")
 
 
 SLOW_FIXTURES = {"embedded", "demo_run"}  # the embedded default loaded, or calibrated from the CLI

@@ -96,6 +96,7 @@ def test_real_shapes_have_their_published_sizes():
 
 
 @pytest.mark.slow
+@pytest.mark.simulation
 def test_simulation_runs_green_from_this_tree(tmp_path):
     """bench/gpu_simulate.sh: a fresh venv, the halves, gpu_check.sh --cpu-smoke offline (minutes)."""
     env = {**os.environ, "SIM": str(tmp_path / "sim"), "OMP_NUM_THREADS": "1"}
