@@ -185,8 +185,9 @@ class _Calibrator:
         self.parallel = parallel.choose(model, config, objectives, checkpoint, cov=self.cov, memory=self.memory,
                                         engine=self.engine, device=self.device, score_rows=self.score_rows, pad=pad)
         self.verify = verify
-        if verify and not self.parallel.verifies and self.parallel.selfcheck() is not None:
-            self.checks["selfcheck"] = self.parallel.selfcheck()  # fsdp: checked on the full model before sharding
+        checked = self.parallel.selfcheck() if verify else None  # fsdp: checked on the full model before sharding
+        if checked is not None:
+            self.checks["selfcheck"] = checked
         self.generator = torch.Generator(device=self.device).manual_seed(seed_for_rank(config.seed,
                                                                                        self.parallel.rank))
         self.groups = Groups(model, tokenizer, k=self.k, max_new_tokens=config.max_new_tokens,

@@ -64,16 +64,13 @@ def wrap(model: nn.Module, prompts: list[list[int]] | None = None, pad_id: int =
 def _check_rules(model: nn.Module, prompts: list[list[int]] | None, pad_id: int) -> dict:
     """``engine.selfcheck.check_rules`` on two rows: the first prompts of two or more tokens, left-padded, their
     second halves the responses (None or none long enough: two fixed rows of token ids 1..7)."""
-    from fisher_select.calibration.sampling import left_pad
+    from fisher_select.calibration.objectives.base import ScoringRow
+    from fisher_select.calibration.sampling import pad_rows
     from fisher_select.engine.selfcheck import check_rules
 
     rows = [p for p in (prompts or []) if len(p) >= 2][:2] or [[1, 2, 3, 4, 5, 6, 7], [3, 5, 7, 2]]
     device = next(model.parameters()).device
-    ids, mask = left_pad(rows, pad_id, device)  # (2, T) each
-    width = ids.shape[1]
-    resp = torch.zeros_like(ids, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        resp[b, width - len(r) + len(r) // 2 :] = True
+    ids, mask, resp = pad_rows([ScoringRow(r, len(r) // 2) for r in rows], pad_id, device)  # (2, T) each
     was_training = model.training
     model.eval()  # as calibrate scores: no dropout makes the engine's pass and autograd's differ
     try:

@@ -38,6 +38,10 @@ class Single:
         self.rank, self.world = 0, 1
         self.restore_on = memory.device  # where a checkpoint's sums go (None: each parameter's device)
 
+    def selfcheck(self) -> dict | None:
+        """A check of the rules run before this object existed (only FSDP's, before sharding)."""
+        return None
+
     def split(self, prompts: list) -> list:
         return shard(prompts, self.rank, self.world)
 

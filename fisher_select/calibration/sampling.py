@@ -151,8 +151,8 @@ class _Drawn:
         return is_eos
 
     def sampled(self) -> list[Sampled]:
-        toks, lps, lengths = self.tokens.cpu(), self.logps.cpu(), self.lengths
-        return [Sampled(toks[b, : lengths[b]].tolist(), float(lps[b, : lengths[b]].sum()), bool(self.ended[b]))
+        toks, lps, lengths, ended = self.tokens.cpu(), self.logps.cpu(), self.lengths.tolist(), self.ended.tolist()
+        return [Sampled(toks[b, : lengths[b]].tolist(), float(lps[b, : lengths[b]].sum()), ended[b])
                 for b in range(len(toks))]
 
 

@@ -47,6 +47,7 @@ from fisher_select.outputs.config import DEFAULT_COVERAGE, LoraHintConfig
 from fisher_select.run.io import read_json
 from fisher_select.run.load import Run, load_run
 from fisher_select.run.names import LORA_CONFIG_FILE, LORA_PROVENANCE_FILE, LORA_PROVENANCE_FORMAT
+from fisher_select.stats.experts import fused_experts
 from fisher_select.stats.naming import module_of
 
 
@@ -340,9 +341,9 @@ def lora_export(run: "Run | str | os.PathLike", config: LoraHintConfig | None = 
         matched = check_lora_targets(peft_config, [n for n, _ in model.named_modules()],
                                      f"the model's named_modules() ({type(model).__name__})",
                                      [n for n, _ in model.named_parameters()])
-    found = {t.name: t for t in tg.expert_targets(run)}
-    trainable = sum(r * (found[name].lora_parameters if name in found else sum(run.fisher[f"{name}.weight"].shape))
-                    for name, r in hints.ranks.items())
+    fused = fused_experts({n: tuple(f.shape) for n, f in run.fisher.items()})
+    trainable = sum(r * (sum(fused[name].shape[1:]) * fused[name].num_experts if name in fused
+                         else sum(run.fisher[f"{name}.weight"].shape)) for name, r in hints.ranks.items())
     return LoraExport(hints=hints, trainable=trainable, numel=sum(t.numel() for t in run.fisher.values()),
                       matched=matched)
 

@@ -27,6 +27,7 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import check_fingerprint
 from fisher_select.run.load import Run
 from fisher_select.run.schema import ModuleEntry
+from fisher_select.stats.bounds import module_masses
 from fisher_select.stats.experts import fused_experts
 
 # Input embeddings / output heads by name, only for reports that record neither the rules' roles
@@ -96,8 +97,8 @@ def expert_targets(run: Run) -> list[Target]:
     for name, fused in fused_experts({n: tuple(f.shape) for n, f in run.fisher.items()}).items():
         if len(fused.shape) != 3:
             continue  # an (E, X) bias: PEFT would adapt it as one (E x X) Linear, which it is not
-        f = run.fisher[name].detach().double().clamp_min(0)
-        out.append(Target(name, float(f.sqrt().sum()), float(f.sum()), fused.shape[1:], kinds.get(fused.module),
+        mass = module_masses({name: run.fisher[name]})[fused.module]
+        out.append(Target(name, mass.bound_mass, mass.fisher_mass, fused.shape[1:], kinds.get(fused.module),
                           fused.num_experts))
     return out
 

@@ -11,5 +11,6 @@ and the outcome studies. The code that runs during a user's own training is ``fi
 - protocol 2 of the outcome study (docs/OUTCOMES.md): ``protocol`` (settings, draws, grids), ``grid``
   (lr choice off the edges), ``cells`` (the cell cache), ``cell_run``, ``arms``, ``measures``
   (content, forgetting, frozen teacher), ``study``, ``paired`` (paired statistics), ``assemble``,
-  ``tables``, ``outcome_plots``.
+  ``prefix`` (a shared prompt prefix computed once), ``outcome_methods``, ``outcome_plots``; the
+  tables are ``report.outcome_tables``.
 """

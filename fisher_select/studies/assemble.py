@@ -158,13 +158,13 @@ def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
     arms = {name: {"lr": choices.get(name, {}).get("chosen"), "lr_on_edge": choices.get(name, {}).get("on_edge"),
                    "replicates": reps, **_summary(reps)} for name, reps in per.items()}
     full = [m["gain"] for m in per.get("full", {}).values()]
+    tables = {m: _paired_table(per, protocol["budgets"], m, resamples)
+              for m in ("recovered", "forgetting", "forgetting_kl")}
     return {"protocol": OUTCOMES_PROTOCOL, "kind": protocol["kind"], "settings": protocol, "cells": len(cells),
             "higher_is_better": higher, "lr_choices": choices, "arms": arms, "trained": trained(full),
             "noise_floor": _noise_floor(cells), "discriminates": _discriminates(per),
-            "paired": {"recovered": _paired_table(per, protocol["budgets"], "recovered", resamples),
-                       "forgetting": _paired_table(per, protocol["budgets"], "forgetting", resamples),
-                       "forgetting_kl": _paired_table(per, protocol["budgets"], "forgetting_kl", resamples)},
-            "lr_advice": _lr_advice(per, choices), "verdicts": _verdicts(per, protocol["budgets"], resamples),
+            "paired": tables,
+            "lr_advice": _lr_advice(per, choices), "verdicts": _verdicts(per, protocol["budgets"], tables["recovered"]),
             "training_rows": _shares(cells)}
 
 
@@ -178,9 +178,10 @@ def keep_record_in_run(record, run_dir) -> Path:
     return folder
 
 
-def _verdicts(per: dict, budgets: list, resamples: int) -> dict:
+def _verdicts(per: dict, budgets: list, recovered: dict) -> dict:
     """Per budget: the bound against the peer mask with the best mean recovered share, in one word:
-    wins / loses when the 95% interval of the paired difference excludes 0, else ties."""
+    wins / loses when the 95% interval of the paired difference excludes 0, else ties (``recovered``: the
+    paired table of recovered shares, ``_paired_table``)."""
     out = {}
     for b in budgets:
         peers = {arm: _summary(per.get(arm_name(arm, b), {})).get("recovered") for arm in BUDGETED_ARMS[1:]}
@@ -188,7 +189,7 @@ def _verdicts(per: dict, budgets: list, resamples: int) -> dict:
         if not peers or arm_name("bound", b) not in per:
             continue
         best_peer = max(peers, key=lambda a: peers[a]["mean"])
-        stats = _paired_table(per, [b], "recovered", resamples).get(f"bound@{b:g} vs {arm_name(best_peer, b)}")
+        stats = recovered.get(f"bound@{b:g} vs {arm_name(best_peer, b)}")
         if stats is None or stats["interval"] is None:
             continue
         lo, hi = stats["interval"]

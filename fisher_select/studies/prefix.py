@@ -16,7 +16,7 @@ import copy
 
 import torch
 
-from fisher_select.calibration.sampling import left_pad, pad_rows
+from fisher_select.calibration.sampling import _cache_keyword, _cache_of, left_pad, pad_rows
 from fisher_select.engine.logprob import forward_logits, position_ids_from_mask, response_logprobs
 
 CACHED = True  # the cached paths: shared prefix once, KV cache in greedy decoding; False: the plain path
@@ -50,8 +50,8 @@ def row_logprobs(model, rows, pad_id: int, device, micro: int = 8) -> list[float
     if not CACHED or p < MIN_PREFIX:
         return _plain(model, rows, pad_id, device, micro)
     prefix = torch.tensor([rows[0].ids[:p]], device=device)  # (1, P)
-    cache = model(input_ids=prefix, attention_mask=torch.ones_like(prefix),
-                  position_ids=torch.arange(p, device=device)[None], use_cache=True).past_key_values
+    cache = _cache_of(model(input_ids=prefix, attention_mask=torch.ones_like(prefix),
+                            position_ids=torch.arange(p, device=device)[None], use_cache=True))
     out = []
     for i in range(0, len(rows), micro):
         out += _suffix_pass(model, rows[i : i + micro], p, cache, pad_id, device)
@@ -73,8 +73,8 @@ def _suffix_pass(model, rows, p: int, cache, pad_id: int, device) -> list[float]
     past.batch_repeat_interleave(b)
     mask = torch.cat([torch.ones((b, p), dtype=torch.long, device=device), real.long()], dim=1)  # (B, P + S)
     positions = (p + torch.arange(width, device=device))[None].expand(b, -1)  # (B, S): the plain path's
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
-                   use_cache=True).logits  # (B, S, V)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   **{_cache_keyword(model): past}).logits  # (B, S, V)
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # fp32: token j is predicted at j - 1
     per_token = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, S - 1)
     return (per_token * scored[:, 1:].float()).sum(-1).tolist()
@@ -93,8 +93,8 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], 
             nxt = forward_logits(model, ids_now, mask_now, 1)[:, -1].float().argmax(-1)  # (B,)
         else:
             out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, -ids.shape[1]:],
-                        past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1].float().argmax(-1)  # (B,)
+                        use_cache=True, **{_cache_keyword(model): past})
+            past, nxt = _cache_of(out), out.logits[:, -1].float().argmax(-1)  # (B,)
             ids = nxt[:, None]  # (B, 1): the next step runs the new token alone
             mask = torch.cat([mask, torch.ones_like(ids)], dim=1)  # (B, T + 1)
         for b, t in enumerate(nxt.tolist()):

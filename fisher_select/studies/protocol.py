@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from fisher_select.calibration.prompts import PromptRecord, check_disjoint, normalized_text
 from fisher_select.errors import FisherSelectError
 from fisher_select.studies.arms import ARMS, BUDGETED_ARMS, CORE_ARMS
-from fisher_select.studies.cells import canonical
 from fisher_select.studies.grid import lr_grid
 
 PROTOCOL_VERSION = 2
@@ -80,9 +79,6 @@ class ProtocolV2:
         """What defines every cell besides its key: the settings without the list of arms (an arm's cells do
         not depend on which other arms run, so adding an arm later, e.g. ``magnitude``, keeps every finished cell)."""
         return {k: v for k, v in self.as_dict().items() if k != "arms"}
-
-    def digest(self) -> str:
-        return hashlib.sha256(canonical(self.as_dict()).encode()).hexdigest()[:16]
 
     def cells(self) -> list[tuple[str, float | None]]:
         """(arm, budget) pairs: mask arms and lora_config at every budget, the others once at their own count."""

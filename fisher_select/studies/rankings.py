@@ -76,7 +76,7 @@ class Rankings:
 
     def baselines(self, theta0: dict, model, single: Reduced, second: dict | None) -> dict:
         """The baselines' rankings: random, |theta|, one batch's |grad|, Spectrum, KappaTune, a second seed."""
-        names, sub, seed = self.sub.names, self.sub, self.seed
+        sub, seed = self.sub, self.seed
         numel: dict[str, float] = {}
         for n, t in theta0.items():
             numel[module_of(n)] = numel.get(module_of(n), 0.0) + t.numel()
