@@ -71,6 +71,30 @@ def test_a_resume_skips_finished_cells_and_a_changed_protocol_redoes_them(tmp_pa
         assemble(tmp_path / "cells", kind="rl")
 
 
+def test_the_studys_extent_is_not_part_of_a_cells_hash_but_what_a_cell_does_is():
+    base = ProtocolV2("sft")
+    wider = dataclasses.replace(base, replicates=8, budgets=(1e-5, 1e-2, 0.05), grid_points=5, grid_cap=12,
+                                bootstrap=500, arms=base.arms + ("magnitude",))
+    assert wider.cell_settings() == base.cell_settings()  # more replicates, budgets or arms keep finished cells
+    for change in ({"steps": 9}, {"seed": 1}, {"max_new_tokens": 17}, {"train_prompts": 40}, {"optimizer": "sgd"}):
+        assert dataclasses.replace(base, **change).cell_settings() != base.cell_settings(), change
+
+
+def test_a_calibration_redone_the_same_way_keeps_the_cells_identity():
+    from types import SimpleNamespace
+    from fisher_select.studies.study import calibration_identity
+
+    def run(run_id, prompts, seed=3):
+        report = SimpleNamespace(config={"model": "m", "prompts": prompts, "device": "cpu", "seed": seed},
+                                 seed=seed, num_prompts=48)
+        return SimpleNamespace(report=report, run_id=run_id)
+
+    assert calibration_identity(run("a", "x/r0.jsonl")) == calibration_identity(run("b", "/elsewhere/r0.jsonl"))
+    assert calibration_identity(run("a", "x", seed=3)) != calibration_identity(run("a", "x", seed=4))
+    no_recipe = SimpleNamespace(report=SimpleNamespace(config=None), run_id="rep0")
+    assert calibration_identity(no_recipe) == "rep0"
+
+
 def test_a_cell_file_edited_by_hand_is_not_trusted(tmp_path):
     cache = _cache(tmp_path)
     key = CellKey("rl", 0, "random", 1e-4, 0.1, "pilot")

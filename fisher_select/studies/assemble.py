@@ -158,6 +158,11 @@ def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
     arms = {name: {"lr": choices.get(name, {}).get("chosen"), "lr_on_edge": choices.get(name, {}).get("on_edge"),
                    "replicates": reps, **_summary(reps)} for name, reps in per.items()}
     full = [m["gain"] for m in per.get("full", {}).values()]
+    # the study's extent comes from its cells (it is not in their hash: a budget or replicate added later
+    # keeps the finished cells)
+    budgets = sorted({c["key"]["budget"] for c in cells if c["key"]["budget"] is not None})
+    replicates = sorted({c["key"]["replicate"] for c in cells if c["key"]["stage"] == "held_out"})
+    protocol = {**protocol, "budgets": budgets, "replicates": len(replicates)}
     tables = {m: _paired_table(per, protocol["budgets"], m, resamples)
               for m in ("recovered", "forgetting", "forgetting_kl")}
     return {"protocol": OUTCOMES_PROTOCOL, "kind": protocol["kind"], "settings": protocol, "cells": len(cells),

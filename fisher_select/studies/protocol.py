@@ -23,6 +23,8 @@ from fisher_select.studies.grid import lr_grid
 PROTOCOL_VERSION = 2
 CORE_BUDGETS = {"sft": (1e-5, 1e-4, 1e-3, 1e-2), "rl": (1e-4, 1e-3), "opd-pg": (1e-4, 1e-3),
                 "opd-full": (1e-4, 1e-3)}
+# settings that say how much of the study runs, not what a cell does: not part of a cell's hash
+STUDY_EXTENT = ("arms", "budgets", "replicates", "grid_points", "grid_cap", "bootstrap")
 SMALL_BUDGET = 1e-4  # masks at or below it start on a grid that reaches 1.0 (a few coordinates need a large lr)
 
 
@@ -76,9 +78,11 @@ class ProtocolV2:
         return {"protocol": PROTOCOL_VERSION, **dataclasses.asdict(self), "budgets": list(self.budgets)}
 
     def cell_settings(self) -> dict:
-        """What defines every cell besides its key: the settings without the list of arms (an arm's cells do
-        not depend on which other arms run, so adding an arm later, e.g. ``magnitude``, keeps every finished cell)."""
-        return {k: v for k, v in self.as_dict().items() if k != "arms"}
+        """What defines every cell besides its key: the settings that change what one training run and its
+        evaluation do. The study's extent is left out (which arms, budgets and replicates run; the grids'
+        starting size and cap; the bootstrap's size): a cell's own arm, budget, replicate and lr are in its
+        key, so adding an arm (e.g. ``magnitude``), a budget or a replicate later keeps every finished cell."""
+        return {k: v for k, v in self.as_dict().items() if k not in STUDY_EXTENT}
 
     def cells(self) -> list[tuple[str, float | None]]:
         """(arm, budget) pairs: mask arms and lora_config at every budget, the others once at their own count."""

@@ -23,8 +23,20 @@ PILOT = 0  # the replicate whose validation chooses every arm's lr
 def replicate_context(protocol: ProtocolV2, rep: Replicate) -> dict:
     """What defines a replicate's cells besides their key: model, calibration, draw, protocol."""
     fingerprint = hashlib.sha256(canonical(rep.run.fingerprint).encode()).hexdigest()
-    return {"model": fingerprint, "calibration": rep.run.run_id, "draw": draw_identity(rep.splits),
+    return {"model": fingerprint, "calibration": calibration_identity(rep.run), "draw": draw_identity(rep.splits),
             "protocol": protocol.cell_settings()}
+
+
+def calibration_identity(run) -> dict | str:
+    """What made a replicate's calibration: its resolved recipe and seed (the prompts are the draw's, in the
+    context already), not its run id, so that a calibration redone the same way (its run directory is kept
+    out of git: it holds F) keeps the finished cells. A run made without a recipe (the Python API) is
+    identified by its run id."""
+    config = run.report.config
+    if not config:
+        return run.run_id
+    settings = {k: v for k, v in config.items() if k not in ("prompts", "device", "output", "progress")}
+    return {"recipe": settings, "seed": run.report.seed, "num_prompts": run.report.num_prompts}
 
 
 class Study:
