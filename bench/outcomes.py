@@ -91,6 +91,9 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--arms", nargs="+", help="default: the core arms (fisher_select.studies.arms.CORE_ARMS); "
                                                "add magnitude and lora_config by naming every arm wanted")
     v2.add_argument("--budgets", type=float, nargs="+", help="mask densities (default: the kind's core budgets)")
+    v2.add_argument("--prompts", help="draw every replicate's prompts from this file instead of the recipe's (e.g. "
+                                       "fisher_select/recipes/data/arithmetic_chat.jsonl for distillation: its solved "
+                                       "examples make responses end)")
     v2.add_argument("--train-prompts", type=int, default=48)
     v2.add_argument("--grid-cap", type=int, default=10)
     v2.add_argument("--threads", type=int, help="torch threads (default: torch's; on a shared 2-core machine: 2)")
@@ -142,7 +145,7 @@ def protocol_of(args):
                       budgets=tuple(args.budgets or ()), arms=tuple(args.arms or CORE_ARMS), grid_cap=args.grid_cap,
                       steps=args.steps, optimizer=args.optimizer, weight_decay=args.weight_decay,
                       prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
-                      max_new_tokens=args.max_new_tokens or 16, batch_size=args.batch_size)
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
 
 
 def replicate_loader(args, protocol):
@@ -156,7 +159,7 @@ def replicate_loader(args, protocol):
     from fisher_select.studies.protocol import draw
     from fisher_select.studies.validate import load_setup
 
-    records = load_prompts(load_recipe(find_recipe(args.recipe)).prompts)
+    records = load_prompts(args.prompts or load_recipe(find_recipe(args.recipe)).prompts)
     runs = Path(args.cells) / "runs"
 
     def load(r: int) -> Replicate:
@@ -171,6 +174,11 @@ def replicate_loader(args, protocol):
             run_recipe(load_recipe(find_recipe(args.recipe), overrides), run_dir, progress=args.progress,
                        recipe_name=args.recipe)
         run = load_run(run_dir)
+        want = {"seed": protocol.seed + r, "num_prompts": protocol.train_prompts, "max_new_tokens": protocol.max_new_tokens}
+        have = {k: (run.report.config or {}).get(k) for k in want}
+        if have != want:  # a calibration made for other settings is never reused for these cells
+            raise FisherSelectError(f"{run_dir} was calibrated with {have}, but replicate {r} of this protocol needs "
+                                    f"{want}; remove {run_dir} (it is remade) or run the protocol it was made for")
         setup = load_setup(run, args.device, 0)
         return Replicate(r, run, setup.model, setup.tokenizer, setup.objective, splits, args.device)
 

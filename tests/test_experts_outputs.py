@@ -112,6 +112,9 @@ def test_lora_targets_fused_experts_through_target_parameters(family, tmp_path, 
         assert wrapper.num_experts == EXPERTS and wrapper.r["default"] == hints.ranks[name]
         assert wrapper.lora_A["default"].weight.shape[0] == hints.ranks[name] * EXPERTS
     assert trainable_lora_parameters(peft_model) == export.trainable
+    from fisher_select.studies.arms import lora_count
+
+    assert lora_count(model, hints) == export.trainable  # the outcome study's lora_config arm counts the same
     ids = torch.tensor([[3, 5, 7, 9]])
     with torch.no_grad():  # B starts at zero: the adapted model computes what the base computes
         torch.testing.assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -198,8 +198,50 @@ def test_degenerate_pairs_give_no_p_values():
         paired([1.0, 2.0], [1.0])
 
 
+def test_lr_advice_fits_log_lr_on_log_mask_sum_and_reports_its_leave_one_out_error():
+    from fisher_select.studies.assemble import _lr_advice
+
+    sums = [1e-3, 3e-3, 1e-2, 5e-2, 0.2]
+    noise = [0.0, 0.3, -0.2, 0.1, -0.1]  # log-lr residuals
+    choices = {f"m{i}": {"chosen": 1e-4 / s * math.exp(e), "on_edge": False,
+                         "mask_sums": {"abs_g_hat": s, "sqrt_fs": None}} for i, (s, e) in enumerate(zip(sums, noise))}
+    edge = {"chosen": 1.0, "on_edge": True, "mask_sums": {"abs_g_hat": 1e-5, "sqrt_fs": None}}  # a bound: left out
+    got = _lr_advice({**choices, "edge": edge})["abs_g_hat"]
+    xs, ys = np.log(sums), np.log([choices[f"m{i}"]["chosen"] for i in range(5)])
+    fit = sps.linregress(xs, ys)
+    assert got["slope"] == pytest.approx(fit.slope) and got["intercept"] == pytest.approx(fit.intercept)
+    assert got["r"] == pytest.approx(fit.rvalue) and got["n"] == 5
+    loo = []
+    for i in range(5):  # brute force: refit without point i, predict it
+        keep = [j for j in range(5) if j != i]
+        f = sps.linregress(xs[keep], ys[keep])
+        loo.append(ys[i] - (f.intercept + f.slope * xs[i]))
+    assert got["loo_error_factor"] == pytest.approx(math.exp(math.sqrt(np.mean(np.square(loo)))))
+    assert got["loo_error_factor"] > 1.0
+    none = _lr_advice(choices)["sqrt_fs"]  # no signal scale: nothing to fit, said so
+    assert none["n"] == 0 and none["slope"] is None and "nothing to fit" in none["meaning"]
+    same = {k: {**c, "chosen": 1e-3} for k, c in choices.items()}  # one lr for all: no fit
+    assert _lr_advice(same)["abs_g_hat"]["slope"] is None
+
+
+def test_a_task_discriminates_only_when_random_at_0_01_percent_recovers_under_80_percent_of_the_content_gain():
+    from fisher_select.studies.arms import arm_name
+    from fisher_select.studies.assemble import _discriminates
+
+    def per(shares):
+        return {arm_name("random", 1e-4): {r: {"content_recovered": s} for r, s in enumerate(shares)},
+                arm_name("random", 1e-3): {0: {"content_recovered": 0.1}}}  # another budget never counts
+
+    assert _discriminates(per([0.5, 0.7]))["discriminates"] is True
+    assert _discriminates(per([0.5, 0.7]))["random_content_recovered"] == pytest.approx(0.6)
+    assert _discriminates(per([0.79, 0.83]))["discriminates"] is False  # mean 0.81
+    assert _discriminates({})["discriminates"] is None
+
+
 def test_trained_needs_three_standard_errors():
     assert trained([1.0, 1.1, 0.9, 1.0])["trained"]
+    assert trained([])["mean"] is None and trained([1.0])["se"] is None  # not judged: None, never NaN in JSON
+    assert not trained([1.0])["trained"]
     noisy = trained([1.0, -0.8, 0.9, -0.7])
     assert not noisy["trained"] and noisy["se"] == pytest.approx(np.std([1.0, -0.8, 0.9, -0.7], ddof=1) / 2)
 
@@ -561,6 +603,52 @@ def test_scoring_with_the_shared_prefix_once_equals_the_plain_path(name, monkeyp
         brute.append(sum(float(torch.log_softmax(logits[t - 1], -1)[r.ids[t]]) for t in range(r.start, len(r.ids))))
     assert plain == pytest.approx(brute, abs=1e-4)
     assert fast == pytest.approx(plain, abs=1e-4)  # fp32 rounding only: sums of ~5 log-probs of ~-4 each
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2"])
+def test_training_with_the_shared_prefix_once_gives_the_per_row_gradient(name, monkeypatch):
+    """The training step's gradient with the prefix run once (its keys and values cut as leaves) equals a
+    per-row, unpadded float64 backward of the same loss, token weights and micro-batches included."""
+    from fisher_select.calibration.objectives.base import ScoringRow
+    from fisher_select.studies import prefix
+    from fisher_select.studies.loop import Batch, backward
+
+    torch.manual_seed(1)
+    model = tiny_model(name).double().eval()
+    shared = [int(x) for x in torch.randint(2, 60, (12,))]
+    rows, weights = [], []
+    for n in (3, 1, 5, 2, 4):
+        tail = [int(x) for x in torch.randint(2, 60, (n + 2,))]
+        rows.append(ScoringRow(shared + tail, len(shared) + 2))
+        weights.append(torch.randn(n, dtype=torch.float64))  # RL's a_n, or distillation's A_t per token
+    batch = Batch(rows, weights, -1.0, None)
+    assert prefix.common_prefix(rows) >= prefix.MIN_PREFIX
+
+    def grads():
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss = prefix.prefix_backward(model, rows, weights, -1.0, len(rows), 1, 2)  # what backward() calls first
+    assert loss is not None  # the fast path ran (the model's cache is a plain DynamicCache)
+    fast = grads()
+    model.zero_grad(set_to_none=True)
+    brute_loss = 0.0
+    for r, w in zip(rows, weights):  # per row, no padding, no cache
+        logp = torch.log_softmax(model(torch.tensor([r.ids])).logits[0], -1)  # (T, V) float64
+        picked = logp[torch.arange(r.start - 1, len(r.ids) - 1), torch.tensor(r.ids[r.start:])]
+        row_loss = -(picked * w).sum() / len(rows)
+        row_loss.backward()
+        brute_loss += float(row_loss.detach())
+    brute = grads()
+    assert loss == pytest.approx(brute_loss, rel=1e-5)
+    assert fast.keys() == brute.keys()
+    for n in brute:  # the prefix's own parameters' path included (embeddings, first layers)
+        torch.testing.assert_close(fast[n], brute[n], rtol=1e-5, atol=1e-7, msg=n)
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(prefix, "CACHED", False)  # and the plain path agrees too
+    assert prefix.prefix_backward(model, rows, weights, -1.0, len(rows), 1, 2) is None
+    backward(model, batch, 1, micro=2)
+    for n in brute:
+        torch.testing.assert_close(model.get_parameter(n).grad, brute[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
 def test_no_common_prefix_falls_back_to_the_plain_path():

@@ -341,11 +341,17 @@ def lora_export(run: "Run | str | os.PathLike", config: LoraHintConfig | None = 
         matched = check_lora_targets(peft_config, [n for n, _ in model.named_modules()],
                                      f"the model's named_modules() ({type(model).__name__})",
                                      [n for n, _ in model.named_parameters()])
-    fused = fused_experts({n: tuple(f.shape) for n, f in run.fisher.items()})
-    trainable = sum(r * (sum(fused[name].shape[1:]) * fused[name].num_experts if name in fused
-                         else sum(run.fisher[f"{name}.weight"].shape)) for name, r in hints.ranks.items())
+    trainable = lora_trainable({n: tuple(f.shape) for n, f in run.fisher.items()}, hints.ranks)
     return LoraExport(hints=hints, trainable=trainable, numel=sum(t.numel() for t in run.fisher.values()),
                       matched=matched)
+
+
+def lora_trainable(shapes: dict[str, tuple], ranks: dict[str, int]) -> int:
+    """Trainable parameters of LoRA at ``ranks`` (module -> rank) on parameters of ``shapes`` (name -> shape):
+    rank x (fan-in + fan-out) per target; a fused expert tensor (E, a, b) takes one adapter per expert."""
+    fused = fused_experts(shapes)
+    return sum(r * (sum(fused[name].shape[1:]) * fused[name].num_experts if name in fused
+                    else sum(shapes[f"{name}.weight"])) for name, r in ranks.items())
 
 
 def check_lora_targets(config, names: list[str], where: str, parameters: list[str] = ()) -> dict[str, list[str]]:

@@ -41,8 +41,12 @@ def paired_table(record: OutcomesRecord, measure: str = "recovered") -> list[str
 def verdict_lines(record: OutcomesRecord) -> list[str]:
     """Trained, discriminating, noise floor and edge flags, in words."""
     t, d = record.trained, record.discriminates
-    out = [f"- trained: {t['trained']} (full fine-tuning's improvement {t['mean']:.4g}, SE {t['se']:.3g}; "
-           f"rule: {t['rule']})",
+    if t.get("se") is None:  # fewer than 2 replicates of full fine-tuning held out: nothing to judge yet
+        told = f"- trained: not judged yet ({t.get('n', 0)} held-out replicates of full fine-tuning; rule: {t['rule']})"
+    else:
+        told = (f"- trained: {t['trained']} (full fine-tuning's improvement {t['mean']:.4g}, SE {t['se']:.3g}; "
+                f"rule: {t['rule']})")
+    out = [told,
            f"- discriminates: {d.get('discriminates')} ({d.get('rule') or d.get('why')})"]
     if record.noise_floor:
         out.append(f"- evaluation noise floor: {record.noise_floor['mean_abs_difference']:.4g} (the untrained model "
@@ -61,6 +65,34 @@ def verdict_lines(record: OutcomesRecord) -> list[str]:
     return out
 
 
+SUMS = {"abs_g_hat": "|g_hat_i|", "sqrt_fs": "sqrt(F_i S)"}
+
+
+def lr_table(record: OutcomesRecord) -> list[str]:
+    """Per arm, the pilot's lr grid as finally swept, the chosen lr (``*``: on the grid's edge) and its score."""
+    lines = ["| arm | lr grid (pilot) | points | chosen lr | validation there |", "|---|---|---:|---|---|"]
+    for name, c in sorted(record.lr_choices.items()):
+        i = c["grid"].index(c["chosen"])
+        lines.append(f"| {name} | {c['grid'][0]:.3g} .. {c['grid'][-1]:.3g} | {len(c['grid'])} | "
+                     f"{c['chosen']:.3g}{' *' if c['on_edge'] else ''} | {c['validation'][i]:.4g} |")
+    return lines
+
+
+def lr_advice_lines(record: OutcomesRecord) -> list[str]:
+    """The lr-advice test in words, whatever it found."""
+    out = []
+    for which, a in record.lr_advice.items():
+        head = f"- lr advice from the sum of {SUMS.get(which, which)} over the mask: "
+        if a.get("slope") is None:
+            out.append(head + f"not testable here ({a['n']} masks off their grid's edge; {a['meaning']})")
+        else:
+            out.append(head + f"log lr = {a['intercept']:.2f} + {a['slope']:.2f} log(sum), r = {a['r']:.2f} over "
+                       f"{a['n']} masks; a suggestion from it is off by a factor of {a['loo_error_factor']:.2f} "
+                       "(leave-one-out RMS; one grid step is 3.16)")
+    return out
+
+
 def record_markdown(record: OutcomesRecord) -> list[str]:
-    return [*verdict_lines(record), "", *arm_table(record), "", *paired_table(record, "recovered"), "",
-            *paired_table(record, "forgetting"), "", *paired_table(record, "forgetting_kl")]
+    return [*verdict_lines(record), *lr_advice_lines(record), "", *arm_table(record), "", *lr_table(record), "",
+            *paired_table(record, "recovered"), "", *paired_table(record, "forgetting"), "",
+            *paired_table(record, "forgetting_kl")]

@@ -68,8 +68,10 @@ def kind_table(record: OutcomesRecord) -> list[str]:
         arms.setdefault(base, {})[budget] = _cell(arm)
     order = sorted(arms, key=lambda a: (a != "bound", a))  # the bound first
     t, d = record.trained, record.discriminates
-    lines = [f"**{record.kind}**: trained {'yes' if t['trained'] else 'NO'} (full fine-tuning's held-out improvement "
-             f"{t['mean']:.3g} ± {t['se']:.2g} SE over {t['n']} replicates); the task "
+    told = ("trained: not judged yet (fewer than 2 held-out replicates of full fine-tuning)" if t.get("se") is None
+            else f"trained {'yes' if t['trained'] else 'NO'} (full fine-tuning's held-out improvement "
+                 f"{t['mean']:.3g} ± {t['se']:.2g} SE over {t['n']} replicates)")
+    lines = [f"**{record.kind}**: {told}; the task "
              + {True: "discriminates", False: "does NOT discriminate", None: "was not tested for discrimination"}[
                  d.get("discriminates")] + " (random at 0.01% against 80% of full fine-tuning's content gain).",
              "", "| arm | " + " | ".join(f"{float(b):.3%}" for b in budgets) + f" | {OWN_COUNT} |",

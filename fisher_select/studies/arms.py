@@ -91,8 +91,10 @@ def lora_rank1(model):
 
 
 def lora_count(model, hints) -> int:
-    """Trainable LoRA parameters of ``hints`` on ``model``: rank x (fan-in + fan-out) per target."""
-    return sum(r * sum(model.get_submodule(name).weight.shape) for name, r in hints.ranks.items())
+    """Trainable LoRA parameters of ``hints`` on ``model`` (fused experts: one adapter per expert)."""
+    from fisher_select.outputs.lora import lora_trainable
+
+    return lora_trainable({n: tuple(p.shape) for n, p in model.named_parameters()}, hints.ranks)
 
 
 def lora_config_at(run, model, count: int):

@@ -25,7 +25,7 @@ from fisher_select.studies.arms import BUDGETED_ARMS, arm_name
 from fisher_select.studies.cell_run import START
 from fisher_select.errors import FisherSelectError
 from fisher_select.studies.cells import canonical, read_cells
-from fisher_select.studies.grid import best
+from fisher_select.studies.grid import pick
 from fisher_select.studies.paired import paired, trained
 
 DISCRIMINATES_BELOW = 0.8  # random at 0.01% must recover less than this share of full's content gain
@@ -39,17 +39,19 @@ def _mean(xs):
 def _lr_choices(cells: list[dict], higher_is_better: bool) -> dict:
     """Each arm's lr as the pilot chose it, rebuilt from the pilot cells (on_edge: smallest or largest)."""
     grids: dict[str, dict[float, float]] = {}
+    sums: dict[str, dict] = {}  # a mask's sums do not depend on the lr: any pilot cell of the arm gives them
     for c in cells:
         k = c["key"]
         if k["stage"] == "pilot":
-            grids.setdefault(arm_name(k["arm"], k["budget"]), {})[k["lr"]] = c["result"]["validation"]
+            name = arm_name(k["arm"], k["budget"])
+            grids.setdefault(name, {})[k["lr"]] = c["result"]["validation"]
+            sums[name] = c["result"].get("mask_sums")
     out = {}
     for name, by_lr in grids.items():
         grid = sorted(by_lr)
         scores = [by_lr[lr] for lr in grid]
-        clean = [(-math.inf if higher_is_better else math.inf) if math.isnan(s) else s for s in scores]
-        i = best(grid, clean, higher_is_better)
-        out[name] = {"grid": grid, "validation": scores, "chosen": grid[i], "on_edge": i in (0, len(grid) - 1)}
+        i, edge = pick(grid, scores, higher_is_better)
+        out[name] = {"grid": grid, "validation": scores, "chosen": grid[i], "on_edge": edge, "mask_sums": sums[name]}
     return out
 
 
@@ -105,25 +107,39 @@ def _paired_table(per: dict, budgets: list, measure: str, resamples: int) -> dic
     return out
 
 
-def _lr_advice(per: dict, choices: dict) -> dict:
-    """Does a mask's sum of |g_hat_i| (or of sqrt(F_i S)) predict its chosen lr? log-log fit over masks."""
+def _lr_advice(choices: dict) -> dict:
+    """Does a mask's sum of |g_hat_i| (or of sqrt(F_i S)) predict its chosen lr? A log-log fit over the masks
+    of the pilot replicate (``choices``: ``_lr_choices``), and its accuracy as a suggestion would have it:
+    the leave-one-out error factor (exp of the RMS of log(chosen / predicted), each mask predicted by a fit
+    without it; 1 is exact, sqrt(10) is one grid step off). A choice on its grid's edge is left out (its
+    lr is a bound, not an optimum)."""
     out = {}
     for which in ("abs_g_hat", "sqrt_fs"):
         xs, ys = [], []
-        for name, reps in per.items():
-            sums = next(iter(reps.values())).get("mask_sums") if reps else None
-            if sums and sums.get(which) and name in choices:
+        for name, choice in sorted(choices.items()):
+            sums = choice.get("mask_sums")
+            if sums and sums.get(which) and not choice["on_edge"]:
                 xs.append(math.log(sums[which]))
-                ys.append(math.log(choices[name]["chosen"]))
-        if len(xs) >= 3 and np.ptp(xs) > 0 and np.ptp(ys) > 0:
+                ys.append(math.log(choice["chosen"]))
+        if len(xs) >= 4 and np.ptp(xs) > 0 and np.ptp(ys) > 0:
             slope, intercept = np.polyfit(xs, ys, 1)
-            r = float(np.corrcoef(xs, ys)[0, 1])
-            out[which] = {"n": len(xs), "slope": float(slope), "intercept": float(intercept), "r": r,
+            out[which] = {"n": len(xs), "slope": float(slope), "intercept": float(intercept),
+                          "r": float(np.corrcoef(xs, ys)[0, 1]), "loo_error_factor": _loo_error_factor(xs, ys),
                           "meaning": "log(chosen lr) = intercept + slope * log(sum over the mask), pilot replicate"}
         else:
-            out[which] = {"n": len(xs), "slope": None, "r": None,
-                          "meaning": "too few masks with this sum, or one lr for all of them: nothing to fit"}
+            out[which] = {"n": len(xs), "slope": None, "r": None, "loo_error_factor": None,
+                          "meaning": "fewer than 4 masks with this sum, or one lr for all of them: nothing to fit"}
     return out
+
+
+def _loo_error_factor(xs: list[float], ys: list[float]) -> float:
+    """exp(RMS over points of the residual of a line fitted to the other points)."""
+    errors = []
+    for i in range(len(xs)):
+        rest = [j for j in range(len(xs)) if j != i]
+        slope, intercept = np.polyfit([xs[j] for j in rest], [ys[j] for j in rest], 1)
+        errors.append(ys[i] - (intercept + slope * xs[i]))
+    return float(math.exp(math.sqrt(statistics.fmean(e * e for e in errors))))
 
 
 def study_cells(folder, kind: str | None = None) -> list[dict]:
@@ -169,7 +185,7 @@ def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
             "higher_is_better": higher, "lr_choices": choices, "arms": arms, "trained": trained(full),
             "noise_floor": _noise_floor(cells), "discriminates": _discriminates(per),
             "paired": tables,
-            "lr_advice": _lr_advice(per, choices), "verdicts": _verdicts(per, protocol["budgets"], tables["recovered"]),
+            "lr_advice": _lr_advice(choices), "verdicts": _verdicts(per, protocol["budgets"], tables["recovered"]),
             "training_rows": _shares(cells)}
 
 

@@ -34,6 +34,14 @@ def best(grid: list[float], scores: list[float], higher_is_better: bool) -> int:
     return max(range(len(grid)), key=lambda i: (sign * scores[i], -grid[i]))
 
 
+def pick(grid: list[float], scores: list[float], higher_is_better: bool) -> tuple[int, bool]:
+    """The best point of a sorted grid (a NaN score, a diverged run, never wins; ties: the smaller lr) and
+    whether it is the smallest or the largest point: the one rule the pilot and ``--assemble`` share."""
+    clean = [(-math.inf if higher_is_better else math.inf) if math.isnan(s) else s for s in scores]
+    i = best(grid, clean, higher_is_better)
+    return i, i in (0, len(grid) - 1)
+
+
 def choose_lr(evaluate, grid: list[float], higher_is_better: bool, cap: int) -> GridChoice:
     """Sweep ``grid`` with ``evaluate(lr) -> validation outcome``; while the best lr is the smallest or
     the largest point, add one point beyond it (x or / sqrt(10)), up to ``cap`` points in all.
@@ -47,9 +55,7 @@ def choose_lr(evaluate, grid: list[float], higher_is_better: bool, cap: int) -> 
     while True:
         if any(s is None for s in scores):
             return None
-        clean = [(-math.inf if higher_is_better else math.inf) if math.isnan(s) else s for s in scores]
-        i = best(grid, clean, higher_is_better)
-        edge = i in (0, len(grid) - 1)
+        i, edge = pick(grid, scores, higher_is_better)
         if not edge or len(grid) >= cap:
             return GridChoice(grid, scores, grid[i], edge, len(grid) - start)
         lr = grid[0] / STEP if i == 0 else grid[-1] * STEP

@@ -30,7 +30,7 @@ from fisher_select.calibration.prompts import PromptRecord, render_prompt
 from fisher_select.calibration.sampling import eos_ids_of, pad_id_of, pad_rows, sample_responses
 from fisher_select.engine.logprob import response_logprobs
 from fisher_select.errors import FisherSelectError
-from fisher_select.studies.prefix import row_logprobs
+from fisher_select.studies.prefix import prefix_backward, row_logprobs
 from fisher_select.training.enforce import apply_masks
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -259,6 +259,9 @@ def backward(model, batch: Batch, pad: int, micro: int) -> float:
     """Accumulate the gradient of the batch's loss into ``.grad``, ``micro`` rows per backward."""
     device = next(model.parameters()).device
     total, n = 0.0, len(batch.rows)
+    shared = prefix_backward(model, batch.rows, batch.weights, batch.sign, n, pad, micro)  # the prefix run once
+    if shared is not None:
+        return shared
     for i in range(0, n, micro):
         rows = batch.rows[i : i + micro]
         ids, mask, resp = pad_rows(rows, pad, device)  # (B, T) each

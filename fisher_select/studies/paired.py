@@ -42,8 +42,8 @@ def trained(improvements: list[float]) -> dict:
     """Full fine-tuning's held-out improvement over replicates (> 0: better): mean, standard error, and
     whether the mean is at least ``TRAINED_SE`` standard errors above 0 (the kind trained at all)."""
     n = len(improvements)
-    mean = statistics.fmean(improvements) if n else math.nan
-    se = statistics.stdev(improvements) / math.sqrt(n) if n > 1 else math.nan
+    mean = statistics.fmean(improvements) if n else None  # None, not NaN: the record stays valid JSON
+    se = statistics.stdev(improvements) / math.sqrt(n) if n > 1 else None
     ok = n > 1 and mean > 0 and (se == 0 or mean >= TRAINED_SE * se)
     return {"n": n, "mean": mean, "se": se, "z": mean / se if se and se > 0 else None, "trained": ok,
             "rule": f"mean improvement >= {TRAINED_SE:g} standard errors over replicates"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from fisher_select.calibration.sampling import _cache_keyword, _cache_of, left_pad, pad_rows
 from fisher_select.engine.logprob import forward_logits, position_ids_from_mask, response_logprobs
@@ -59,25 +60,67 @@ def row_logprobs(model, rows, pad_id: int, device, micro: int = 8) -> list[float
 
 
 def _suffix_pass(model, rows, p: int, cache, pad_id: int, device) -> list[float]:
-    """One micro-batch: each row's suffix after the P shared tokens, right padded, over the repeated cache."""
+    """One micro-batch of ``row_logprobs`` over a copy of the prefix's cache, repeated for its rows."""
+    past = copy.deepcopy(cache)
+    past.batch_repeat_interleave(len(rows))
+    return _suffix_logprobs(model, rows, p, past, pad_id, device).tolist()
+
+
+def _suffix_logprobs(model, rows, p: int, past, pad_id: int, device, weights=None) -> torch.Tensor:
+    """(B,): each row's suffix after the P shared tokens, right padded, run over ``past`` (the prefix's keys
+    and values, one row per row); the summed fp32 log-probability of its tokens from ``start`` on, each
+    weighted by ``weights[k]`` ((L_k,) per response token, as ``loop.Batch`` holds them; None: all 1)."""
     b, width = len(rows), max(len(r.ids) for r in rows) - p
     ids = torch.full((b, width), pad_id, dtype=torch.long, device=device)  # (B, S)
     real = torch.zeros((b, width), dtype=torch.bool, device=device)  # (B, S)
-    scored = torch.zeros((b, width), dtype=torch.bool, device=device)  # (B, S): tokens whose log-prob counts
+    scored = torch.zeros((b, width), dtype=torch.float32, device=device)  # (B, S): each token's weight
     for k, r in enumerate(rows):
         n = len(r.ids) - p
         ids[k, :n] = torch.tensor(r.ids[p:], device=device)
         real[k, :n] = True
-        scored[k, r.start - p : n] = True  # start - p >= 1 by common_prefix
-    past = copy.deepcopy(cache)
-    past.batch_repeat_interleave(b)
+        scored[k, r.start - p : n] = 1.0 if weights is None else weights[k].to(device)  # start - p >= 1
     mask = torch.cat([torch.ones((b, p), dtype=torch.long, device=device), real.long()], dim=1)  # (B, P + S)
     positions = (p + torch.arange(width, device=device))[None].expand(b, -1)  # (B, S): the plain path's
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                    **{_cache_keyword(model): past}).logits  # (B, S, V)
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # fp32: token j is predicted at j - 1
     per_token = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, S - 1)
-    return (per_token * scored[:, 1:].float()).sum(-1).tolist()
+    return (per_token * scored[:, 1:]).sum(-1)
+
+
+def prefix_backward(model, rows, weights, sign: float, denominator: int, pad_id: int, micro: int) -> float | None:
+    """Backpropagate ``sign * sum_rows sum_t w_t log pi(y_t|s_t) / denominator`` with the rows' common prefix
+    run once (batch 1) instead of once per row; the summed loss, or None (nothing done) when the rows share
+    no prefix worth it or the model's cache is not transformers' plain ``DynamicCache``.
+
+    Exact: the prefix's keys and values are cut from their graph as leaves, every micro-batch's suffix
+    backpropagates into them (their gradient sums over the rows that read them), then one backward
+    carries that sum through the prefix pass. The parameters' gradient is the plain path's, to fp32
+    rounding (tests/test_outcomes_v2.py checks it in float64)."""
+    p = common_prefix(rows) if CACHED and rows else 0
+    if p < MIN_PREFIX:
+        return None
+    device = next(model.parameters()).device
+    prefix = torch.tensor([rows[0].ids[:p]], device=device)  # (1, P)
+    cache = _cache_of(model(input_ids=prefix, attention_mask=torch.ones_like(prefix),
+                            position_ids=torch.arange(p, device=device)[None], use_cache=True))
+    if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None  # sliding windows, offloading, other caches: the plain path
+    kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]  # (1, heads, P, d) each, in the graph
+    leaves = [t.detach().requires_grad_() for t in kv]
+    total = 0.0
+    for i in range(0, len(rows), micro):
+        part = rows[i : i + micro]
+        past = DynamicCache([(k.expand(len(part), -1, -1, -1), v.expand(len(part), -1, -1, -1))
+                             for k, v in zip(leaves[::2], leaves[1::2])])
+        w = None if weights is None else weights[i : i + micro]
+        loss = sign * _suffix_logprobs(model, part, p, past, pad_id, device, w).sum() / denominator
+        loss.backward()
+        total += float(loss.detach())
+    reached = [(t, leaf.grad) for t, leaf in zip(kv, leaves) if leaf.grad is not None]
+    if reached:
+        torch.autograd.backward([t for t, _ in reached], [g for _, g in reached])
+    return total
 
 
 @torch.no_grad()
