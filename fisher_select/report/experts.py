@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fisher_select.errors import FisherSelectError
+from fisher_select.report.tables import html_table, markdown_table
 from fisher_select.report.text import fmt, pct
 from fisher_select.stats.experts import expert_masses, experts_by_module, fused_experts
 
@@ -199,31 +200,19 @@ def findings(section: ExpertSection) -> list[str]:
     return out
 
 
-def _md_table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
-
-
 def markdown_lines(section: ExpertSection | None) -> list[str]:
     """The section for report.md ([] without MoE layers); past MARKDOWN_ROWS experts, flagged experts only."""
     if section is None or not section.layers:
         return []
-    out = ["", "## Experts (MoE layers)", "", INTRO, ""] + _md_table(SUMMARY_HEADER, summary_rows(section))
+    out = ["", "## Experts (MoE layers)", "", INTRO, ""] + markdown_table(SUMMARY_HEADER, summary_rows(section))
     flagged_only = sum(len(layer.flags) for layer in section.layers) > MARKDOWN_ROWS
     for layer in section.layers:
         rows = detail_rows(section, layer, flagged_only)
         if rows:
             out += ["", f"### {layer.layer}" + (" (flagged experts only; report.json has all)" if flagged_only else ""),
-                    ""] + _md_table(DETAIL_HEADER, rows)
+                    ""] + markdown_table(DETAIL_HEADER, rows)
     notes = findings(section)
     return out + ([""] + [f"- {n}" for n in notes] if notes else [])
-
-
-def _html_table(header: Sequence[str], rows: list[list[str]]) -> str:
-    e = html.escape
-    head = "".join(f"<th>{e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def html_section(section: ExpertSection | None) -> str:
@@ -231,11 +220,11 @@ def html_section(section: ExpertSection | None) -> str:
     if section is None or not section.layers:
         return ""
     e = html.escape
-    out = f"<h2>Experts (MoE layers)</h2><p>{e(INTRO)}</p>" + _html_table(SUMMARY_HEADER, summary_rows(section))
+    out = f"<h2>Experts (MoE layers)</h2><p>{e(INTRO)}</p>" + html_table(SUMMARY_HEADER, summary_rows(section))
     notes = findings(section)
     if notes:
         out += '<div class="warn"><ul>' + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul></div>"
     for layer in section.layers:
         out += (f"<details><summary>{e(layer.layer)}: {len(layer.flags)} experts</summary>"
-                + _html_table(DETAIL_HEADER, detail_rows(section, layer)) + "</details>")
+                + html_table(DETAIL_HEADER, detail_rows(section, layer)) + "</details>")
     return out

@@ -6,18 +6,13 @@ from pathlib import Path
 
 from fisher_select.report import experts, outcomes_section, validation_section
 from fisher_select.report.statistics import ReportStatistics
+from fisher_select.report.tables import markdown_table as _table
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, coverage_text, fallback_rows, fmt,
                                        module_cells, pct, ranked_modules, scale_text, selfcheck_text, uncertainty_of,
                                        verdict_lines)
 from fisher_select.run.schema import RunReport
 
 TOP_MODULES = 30
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    cells = [[str(c).replace("|", "\\|") for c in r] for r in rows]
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |"
-                                                                           for r in cells]
 
 
 def markdown_text(report: RunReport, validations=(), outcomes=()) -> str:

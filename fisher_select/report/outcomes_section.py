@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from fisher_select.report.outcome_tables import record_markdown
+from fisher_select.report.tables import html_table
 from fisher_select.run.io import read_json_files
 from fisher_select.run.names import OUTCOMES_GLOB, OUTCOMES_PLOT
 from fisher_select.run.outcomes import read_outcomes
@@ -155,11 +156,9 @@ def html_section(outcomes: list[tuple[str, dict]], run_dir=None) -> str:
         if is_protocol2(report):
             parts.append(markdown_html(_v2_lines(name, report)))
             continue
-        cells = ["".join(f"<td>{e(c)}</td>" for c in r) for r in _rows(report)]
-        head = "".join(f"<th>{e(h)}</th>" for h in HEADER)
         notes = findings(report) or ["No peer matched fisher_select's choice."]
         parts.append(f"<h3>{e(name)}</h3><p>{e(_intro(report))}</p><p>{e(_headline(report))}</p>"
-                     f"<table><tr>{head}</tr>{''.join(f'<tr>{c}</tr>' for c in cells)}</table>"
+                     + html_table(HEADER, _rows(report)) +
                      f"<ul>{''.join(f'<li>{e(n)}</li>' for n in notes)}</ul>{_image(run_dir, name)}")
     return "".join(parts)
 
@@ -175,9 +174,7 @@ def markdown_html(lines: list[str]) -> str:
                 if not set(lines[i]) <= set("|-: "):  # the separator row
                     rows.append([c.strip() for c in lines[i].strip("|").split("|")])
                 i += 1
-            head = "".join(f"<th>{e(c)}</th>" for c in rows[0])
-            body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
-            parts.append(f"<table><tr>{head}</tr>{body}</table>")
+            parts.append(html_table(rows[0], rows[1:]))
             continue
         if line.startswith("- "):
             items = []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fisher_select.report import experts, outcomes_section, plots, validation_section
 from fisher_select.report.statistics import ReportStatistics
+from fisher_select.report.tables import html_table as _table
 from fisher_select.report.text import (objective_rows, MODULE_COLUMNS, caveat_block, coverage_text, fallback_rows, fmt,
                                        module_cells, pct, ranked_modules, selfcheck_text, verdict_lines)
 from fisher_select.run.schema import RunReport
@@ -32,12 +33,6 @@ pre{background:#f7f7f7;padding:.5em;overflow:auto;font-size:12px}"""
 
 def _e(x) -> str:
     return html.escape(str(x))
-
-
-def _table(header: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _list(items: list[str]) -> str:
