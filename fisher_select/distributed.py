@@ -58,18 +58,19 @@ def all_reduce_int(value: int, device) -> int:
     return int(t.item())
 
 
-def gather_objects(obj) -> list:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (of ``group``; None: the world)."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def all_reduce_counts(counts: dict[str, torch.Tensor]) -> None:
+def all_reduce_counts(counts: dict[str, torch.Tensor], group=None) -> None:
     """Sum integer count vectors (name -> (E,)) over ranks, in place; a rank may lack names others have
-    (it scored no batch): the lists travel as objects, so every rank ends with the same keys and sums."""
+    (it scored no batch): the lists travel as objects, so every rank ends with the same keys and sums.
+    The one reduction of MoE routing counts: data parallel calibration and sharded scoring both use it."""
     merged: dict[str, list[int]] = {}
-    for part in gather_objects({n: c.tolist() for n, c in counts.items()}):
+    for part in gather_objects({n: c.tolist() for n, c in counts.items()}, group):
         for name, values in part.items():
             merged[name] = [a + b for a, b in zip(merged[name], values)] if name in merged else list(values)
     counts.clear()

@@ -740,3 +740,27 @@ def test_the_readme_outcomes_block_is_generated_from_the_committed_results():
     root = Path(__file__).resolve().parents[1]
     block = readme_block(str(root / "bench" / "results"))
     assert f"{BEGIN}\n{block}\n{END}" in (root / "README.md").read_text(encoding="utf-8")
+
+
+def test_on_policy_evaluation_per_prompt_uses_common_random_numbers():
+    """Each evaluated sample draws from its own seeded generator: a prompt's value is the same whether it is
+    evaluated alone or in a pass with others, and equals the mean reward of its samples drawn one by one."""
+    from fisher_select.calibration.objectives import RLObjective
+    from fisher_select.calibration.prompts import render_prompt
+    from fisher_select.calibration.sampling import sample_responses
+    from fisher_select.studies.loop import row_seed
+
+    model, tok = tiny_model("llama-untied").double(), DemoTokenizer(64)
+    reward = lambda r, text: float(len(text.split()) % 3) / 2  # noqa: E731  (varies with the response)
+    records = _records(5)
+    task = make_task(RLObjective(reward), Context(model, tok, "cpu"), records, 3, 4)
+    one_by_one = task.evaluate_each(records, 7, rows_per_pass=3)  # one prompt per pass
+    together = task.evaluate_each(records, 7, rows_per_pass=15)  # all five in one pass
+    assert one_by_one == together and len(set(together)) > 1
+    for i, r in enumerate(records):  # brute force: each sample alone, from its own seed
+        texts = [tok.decode(sample_responses(model, [render_prompt(tok, r)], eos_ids={tok.eos_token_id},
+                                             pad_id=tok.pad_token_id, max_new_tokens=4,
+                                             generator=[torch.Generator().manual_seed(row_seed(7, i, k))])[0]
+                            .response_ids, skip_special_tokens=True) for k in range(3)]
+        assert together[i] == pytest.approx(sum(reward(r, t) for t in texts) / 3)
+    assert task.evaluate_each(records, 8, 15) != together  # another seed, other samples

@@ -164,3 +164,30 @@ def test_seeded_with_mixed_lengths():
                                                           generator=torch.Generator().manual_seed(seed))]
 
     assert draw(4) == draw(4) and draw(4) != draw(5)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("compact", [True, False])
+def test_one_generator_per_row_makes_a_rows_response_independent_of_its_batch(name, compact):
+    """Common random numbers: with one generator per row, a row's response is the one it draws alone (float64,
+    so padding cannot flip a draw), whatever other rows share the pass and whenever they end."""
+    model = (enumeration_model() if name == "llama" else tiny_model("gpt2")).double()
+    eos = {1} if name == "llama" else set(range(1, 9))
+    rows = [p for p in MIXED for _ in range(2)]
+    seeds = [100 + i for i in range(len(rows))]
+
+    def gens(chosen):
+        return [torch.Generator().manual_seed(seeds[i]) for i in chosen]
+
+    together = sample_responses(model, rows, eos_ids=eos, pad_id=1, max_new_tokens=6, generator=gens(range(len(rows))),
+                                compact=compact)
+    assert len({tuple(s.response_ids) for s in together}) > 2 and any(s.ended for s in together)
+    for i, row in enumerate(rows):
+        alone = sample_responses(model, [row], eos_ids=eos, pad_id=1, max_new_tokens=6, generator=gens([i]))[0]
+        assert alone.response_ids == together[i].response_ids and alone.ended == together[i].ended
+    reordered = list(reversed(range(len(rows))))
+    back = sample_responses(model, [rows[i] for i in reordered], eos_ids=eos, pad_id=1, max_new_tokens=6,
+                            generator=gens(reordered), compact=compact)
+    assert [s.response_ids for s in back] == [together[i].response_ids for i in reordered]
+    with pytest.raises(FisherSelectError, match="2 generators for 4 rows"):
+        sample_responses(model, rows[:4], eos_ids=eos, pad_id=1, max_new_tokens=2, generator=gens([0, 1]))

@@ -9,6 +9,7 @@ told otherwise, and a model's ``generation_config`` may carry top-p or repetitio
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,7 +79,8 @@ BUCKET_WASTE = 0.25  # a prefill bucket's padded tokens may exceed its real ones
 @torch.no_grad()
 def sample_responses(
     model, prompts: list[list[int]], *, eos_ids: set[int], pad_id: int, max_new_tokens: int,
-    generator: torch.Generator, observer: Observer | None = None, bucket_waste: float | None = BUCKET_WASTE,
+    generator: torch.Generator | Sequence[torch.Generator], observer: Observer | None = None,
+    bucket_waste: float | None = BUCKET_WASTE,
     compact: bool = True,
 ) -> list[Sampled]:
     """Draw one response per prompt row (repeat a prompt K times for K samples).
@@ -98,11 +100,16 @@ def sample_responses(
     ``observer(probs (b, V), tokens (b,), active (b,))``, if given, sees every step's full
     distribution of the b rows still sampling (tests use it to check that tokens beyond any
     top-k appear at the right rate).
+    ``generator`` may be one generator per row: each row then draws from its own, so its response does
+    not depend on which other rows share the pass (common random numbers across batches and models).
     """
     if max_new_tokens < 1:
         raise FisherSelectError("max_new_tokens must be at least 1")
     device = next(model.parameters()).device
     batch = len(prompts)
+    if not isinstance(generator, torch.Generator) and len(generator) != batch:
+        raise FisherSelectError(f"sample_responses got {len(generator)} generators for {batch} rows; pass one "
+                                "generator, or one per row")
     eos = torch.tensor(sorted(eos_ids), device=device)
     cache_kw = _cache_keyword(model)
     cache, logits, mask = _prefill(model, prompts, pad_id, device, bucket_waste)  # logits (B, V), mask (B, P)
@@ -112,7 +119,7 @@ def sample_responses(
     drawn = _Drawn(batch, max_new_tokens, pad_id, device)
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits.float(), dim=-1)  # (b, V) fp32, the full vocabulary
-        tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # (b,)
+        tok = _draw(logp.exp(), rows, generator)  # (b,)
         if observer is not None:
             observer(logp.exp(), tok, active.clone())
         tok = torch.where(active, tok, torch.full_like(tok, pad_id))  # finished rows (no compaction): padding
@@ -129,6 +136,14 @@ def sample_responses(
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
         cache, logits = _cache_of(out), out.logits[:, -1].to(device)
     return drawn.sampled()
+
+
+def _draw(probs: torch.Tensor, rows: torch.Tensor, generator) -> torch.Tensor:
+    """One token per row of ``probs`` (b, V): from one generator, or each row from its own (``rows``: the
+    original row of each row still in the batch)."""
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return torch.cat([torch.multinomial(probs[j], 1, generator=generator[r]) for j, r in enumerate(rows.tolist())])
 
 
 class _Drawn:

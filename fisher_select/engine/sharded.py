@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fisher_select.distributed import all_reduce_counts
 from fisher_select.engine.scoring import DEFAULT_BLOCK, Coverage, ScoreSums, _restricted, plan_coverage, score_sums
 from fisher_select.errors import FisherSelectError
 
@@ -330,7 +331,7 @@ def score_sums_sharded(
         left = scatter.leftover()
         if left:  # cannot happen: score_sums reports every parameter
             raise FisherSelectError(f"sharded scoring: sums of {left[:5]} were never reduced")
-    _reduce_routes(routes, into, group, device)
+    _reduce_routes(routes, into, group)
     get = lambda k: scatter.shards[k] if k in kinds else None  # noqa: E731
     if into is not None:
         into.count += rows
@@ -356,14 +357,11 @@ def _checked(model: nn.Module, batches: list, objectives: int | None, squares: b
     return cov, kinds
 
 
-def _reduce_routes(routes: ScoreSums, into: ScoreSums | None, group, device) -> None:
+def _reduce_routes(routes: ScoreSums, into: ScoreSums | None, group) -> None:
     """Sum this call's tokens per expert over ranks, then onto ``into``'s counts of earlier calls (if any)."""
     for kind in ("expert_tokens", "expert_positions"):
         counts = getattr(routes, kind)
-        for name in sorted(counts):  # every rank scored the same modules (padding batches too)
-            total = counts[name].to(device)  # NCCL reduces device tensors only
-            dist.all_reduce(total, group=group)
-            counts[name] = total.cpu()
+        all_reduce_counts(counts, group)
         if into is not None:
             earlier = getattr(into, kind)
             counts.update({n: c + earlier[n] if n in earlier else c for n, c in counts.items()})

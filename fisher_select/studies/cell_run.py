@@ -12,6 +12,7 @@ mask's sums. Arm ``start`` is the untrained model, measured the same way.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,8 @@ from fisher_select.studies.protocol import ProtocolV2
 from fisher_select.studies.loop import OnPolicyTask, Streams, TrainConfig, backward, make_task, train
 from fisher_select.studies.movement import gradients, load_snapshot, snapshot
 
-EVAL_SEED = 3_000_017  # + prompt position: each held-out prompt's own sampling seed, shared by every arm
+EVAL_SEED = 3_000_017  # each evaluated sample's own seed is loop.row_seed(EVAL_SEED, prompt, sample), for every arm
+EVAL_ROWS = 32  # sampled rows per evaluation pass (a sample's response does not depend on its pass)
 NOISE_SEED = 4_000_037  # the second evaluation of the untrained model: the evaluation's noise floor
 START = "start"  # the untrained model as a cell
 
@@ -103,12 +105,17 @@ class ReplicateCells:
         return out
 
     def _validation(self, task) -> dict:
+        # SFT: the mean NLL over the validation demonstrations; on-policy: the mean over prompts of each
+        # prompt's K samples, each sample on its own seed (common random numbers across lrs and arms)
+        if isinstance(task, OnPolicyTask):
+            return {"validation": statistics.fmean(task.evaluate_each(self.rep.splits["validation"], EVAL_SEED,
+                                                                      EVAL_ROWS))}
         return {"validation": task.evaluate(self.rep.splits["validation"], EVAL_SEED, self.protocol.batch_size)}
 
     def _held_out(self, model, task, arm: str) -> dict:
         held = self.rep.splits["held-out"]
         bs = self.protocol.batch_size
-        out = {"held_out": [task.evaluate([r], EVAL_SEED + i, bs) for i, r in enumerate(held)],
+        out = {"held_out": task.evaluate_each(held, EVAL_SEED, EVAL_ROWS if isinstance(task, OnPolicyTask) else bs),
                "general_text_nll": measures.general_text_nll(model, self.rep.tokenizer, self.rep.general_text),
                "general_kl": measures.general_kl(model, self.general_rows, self.general_start, self.task.pad)}
         if all("answer" in r.fields for r in held):
@@ -116,7 +123,7 @@ class ReplicateCells:
             out["greedy_correct"] = measures.greedy_correct(model, self.rep.tokenizer, held,
                                                             self.protocol.max_new_tokens)
         if arm == START and isinstance(task, OnPolicyTask):  # the same model, other sampling seeds
-            out["held_out_again"] = [task.evaluate([r], NOISE_SEED + i, bs) for i, r in enumerate(held)]
+            out["held_out_again"] = task.evaluate_each(held, NOISE_SEED, EVAL_ROWS)
         return out
 
     def _first_batch(self) -> dict:

@@ -86,6 +86,7 @@ class Batch:
     outcome: float | None  # the step's objective value (mean reward, ...) on these rows; None: the loss is it
     groups: list[list[int]] = field(default_factory=list)  # row indices per prompt group (split points)
     finished: int | None = None  # sampled responses that ended before max_new_tokens (None: not sampled)
+    group_outcomes: list[float] = field(default_factory=list)  # the objective's mean value per prompt group
 
     def rows_with_signal(self) -> int:
         """Rows whose loss weights are not all 0 (RL: a prompt whose K rewards are equal trains nothing)."""
@@ -102,6 +103,17 @@ class Batch:
             groups.append(list(range(start, start + len(self.groups[g]))))
             start += len(self.groups[g])
         return Batch([self.rows[i] for i in idx], weights, self.sign, self.outcome, groups)
+
+
+def row_seed(seed: int, prompt: int, sample: int) -> int:
+    """The seed of sample ``sample`` of prompt ``prompt`` in an evaluation seeded ``seed`` (distinct for
+    up to 1,000 samples per prompt)."""
+    return seed * 1_000_003 + 1_000 * prompt + sample
+
+
+def _finite_mean(values) -> float:
+    finite = [v for v in values if v is not None and abs(v) != float("inf")]
+    return sum(finite) / len(finite) if finite else float("nan")
 
 
 class _Order:
@@ -156,9 +168,10 @@ class OnPolicyTask:
 
     def _sampled_batch(self, records, rendered, gen) -> Batch:
         groups = self._sample(records, rendered, gen)
-        rows, weights, values, index = [], [], [], []
+        rows, weights, values, index, per_group = [], [], [], [], []
         for g in groups:
             sig = self.objective.signals(g, self.ctx)  # the objective's own signal (leave-one-out for RL)
+            per_group.append(_finite_mean(sig.values))
             index.append(list(range(len(rows), len(rows) + len(g.responses))))
             for k, resp in enumerate(g.responses):
                 rows.append(ScoringRow(g.prompt_ids + resp, len(g.prompt_ids)))
@@ -167,10 +180,20 @@ class OnPolicyTask:
                 else:
                     weights.append(torch.full((len(resp),), float(sig.signal[k])))  # (L_k,) a_n on every token
             values.extend(sig.values)
-        finite = [v for v in values if v is not None and abs(v) != float("inf")]
-        outcome = sum(finite) / len(finite) if finite else float("nan")
         sign = 1.0 if self.objective.token_level else -1.0  # token level: KL descent; else ascent of E[a l]
-        return Batch(rows, weights, sign, outcome, index, sum(sum(g.ended) for g in groups))
+        return Batch(rows, weights, sign, _finite_mean(values), index, sum(sum(g.ended) for g in groups), per_group)
+
+    def evaluate_each(self, records: list[PromptRecord], seed: int, rows_per_pass: int) -> list[float]:
+        """Per prompt, the mean objective value of its K samples. Sample k of prompt i draws from its own
+        generator (``row_seed``), so its response depends on the model and the prompt alone, not on the
+        other prompts of its pass: every arm is evaluated on common random numbers."""
+        rendered = [render_prompt(self.ctx.tokenizer, r) for r in records]
+        per, out = max(1, rows_per_pass // self.k), []
+        for i in range(0, len(records), per):
+            gens = [torch.Generator(device=self.ctx.device).manual_seed(row_seed(seed, j, k))
+                    for j in range(i, min(i + per, len(records))) for k in range(self.k)]
+            out += self._sampled_batch(records[i : i + per], rendered[i : i + per], gens).group_outcomes
+        return out
 
     def _sample(self, records, rendered, gen) -> list[Group]:
         rows = [ids for ids in rendered for _ in range(self.k)]
@@ -230,6 +253,10 @@ class DemonstrationTask:
     @torch.no_grad()
     def _logprob_sum(self, rows: list[ScoringRow], micro: int = 8) -> float:
         return sum(row_logprobs(self.ctx.model, rows, self.pad, self.ctx.device, micro))  # the shared prefix once
+
+    def evaluate_each(self, records: list[PromptRecord], seed: int, rows_per_pass: int) -> list[float]:
+        """Per prompt, the mean NLL per demonstration of its demonstrations (forward only: no seed needed)."""
+        return [self.evaluate([r], seed + i, rows_per_pass) for i, r in enumerate(records)]
 
     def evaluate(self, records: list[PromptRecord], seed: int, rows_per_pass: int) -> float:
         """Mean NLL per demonstration of the demonstrations paired with ``records``."""
