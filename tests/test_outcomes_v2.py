@@ -605,7 +605,7 @@ def test_scoring_with_the_shared_prefix_once_equals_the_plain_path(name, monkeyp
     assert fast == pytest.approx(plain, abs=1e-4)  # fp32 rounding only: sums of ~5 log-probs of ~-4 each
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2", "lora"])
 def test_training_with_the_shared_prefix_once_gives_the_per_row_gradient(name, monkeypatch):
     """The training step's gradient with the prefix run once (its keys and values cut as leaves) equals a
     per-row, unpadded float64 backward of the same loss, token weights and micro-batches included."""
@@ -614,7 +614,16 @@ def test_training_with_the_shared_prefix_once_gives_the_per_row_gradient(name, m
     from fisher_select.studies.loop import Batch, backward
 
     torch.manual_seed(1)
-    model = tiny_model(name).double().eval()
+    if name == "lora":  # the study's LoRA arm: a PEFT model, its adapters trained (B made nonzero)
+        from fisher_select.studies.arms import lora_rank1
+
+        model = lora_rank1(tiny_model("llama-untied").double()).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+    else:
+        model = tiny_model(name).double().eval()
     shared = [int(x) for x in torch.randint(2, 60, (12,))]
     rows, weights = [], []
     for n in (3, 1, 5, 2, 4):

@@ -242,8 +242,10 @@ def _mergeable(cache) -> bool:
 
 
 def _cache_keyword(model) -> str:
-    """transformers >= 5.2x names the KV cache ``cache``; earlier releases ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """transformers >= 5.2x names the KV cache ``cache``; earlier releases ``past_key_values``. A PEFT model's
+    forward takes ``**kwargs``: the base model's signature decides."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _cache_of(out):
