@@ -20,8 +20,8 @@ from fisher_select.stats.bootstrap import bootstrap_interval
 
 BEGIN = "<!-- outcomes:begin -->"
 END = "<!-- outcomes:end -->"
-NO_RESULT = ("**No protocol-2 result exists yet.** The outcome study (docs/OUTCOMES.md) has not run, so nothing here "
-             "says whether the bound's mask beats the cheap rules at any budget. The protocol-1 table was withdrawn: "
+NO_RESULT = ("**No protocol-2 result exists yet.** The outcome study (docs/OUTCOMES.md) is under way, its finished "
+             "cells committed in `bench/results/cells/`, and no kind is complete, so nothing here says whether the bound's mask beats the cheap rules at any budget. The protocol-1 table was withdrawn: "
              "its splits shared prompts and its lr grids stopped at their edges.")
 OWN_COUNT = "own count"
 
