@@ -538,7 +538,10 @@ def test_sft_training_logs_the_batch_nll_without_a_second_forward(tmp_path):
 
     rows = task.batch(2, Streams.from_seed(0, "cpu")).rows  # the rows step 0 of seed 0 will see
     task.restart()
-    brute = -task._logprob_sum(rows) / len(rows)
+    from fisher_select.studies.prefix import row_logprobs
+
+    with torch.no_grad():
+        brute = -sum(row_logprobs(model, rows, task.pad, "cpu")) / len(rows)
     forwards.clear()
     log = train(model, task, TrainConfig(1, "sgd", 0.1, 0.0, 0, 2, 2, 4, 8), progress=False)
     handle.remove()
@@ -773,3 +776,18 @@ def test_on_policy_evaluation_per_prompt_uses_common_random_numbers():
                             .response_ids, skip_special_tokens=True) for k in range(3)]
         assert together[i] == pytest.approx(sum(reward(r, t) for t in texts) / 3)
     assert task.evaluate_each(records, 8, 15) != together  # another seed, other samples
+
+
+def test_sft_evaluation_per_prompt_in_one_call_equals_one_prompt_at_a_time(tmp_path):
+    model, tok = tiny_model("llama-untied"), DemoTokenizer(64)
+    records = _records(6)
+    demos = tmp_path / "d.jsonl"
+    lines = [{"prompt": r.prompt, "response": f"{r.fields['answer']} 9"} for r in records]
+    lines.append({"prompt": records[2].prompt, "response": "7"})  # a prompt with two demonstrations
+    demos.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    task = make_task(SFTDemonstrationsObjective(demos), Context(model, tok, "cpu"), records[:2], 2, 4)
+    each = task.evaluate_each(records, 0, 4)
+    alone = [task.evaluate([r], 0, 4) for r in records]
+    assert each == pytest.approx(alone, rel=1e-5) and len(set(each)) > 1
+    everything = task.evaluate(records, 0, 4)  # the mean over the 7 demonstrations
+    assert everything == pytest.approx((sum(each) + each[2]) / 7, rel=1e-5)

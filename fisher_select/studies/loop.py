@@ -250,20 +250,27 @@ class DemonstrationTask:
         # so no second forward pass is spent on the log
         return Batch(rows, None, -1.0, None, [[i] for i in range(len(rows))])  # rows are independent
 
-    @torch.no_grad()
-    def _logprob_sum(self, rows: list[ScoringRow], micro: int = 8) -> float:
-        return sum(row_logprobs(self.ctx.model, rows, self.pad, self.ctx.device, micro))  # the shared prefix once
-
     def evaluate_each(self, records: list[PromptRecord], seed: int, rows_per_pass: int) -> list[float]:
-        """Per prompt, the mean NLL per demonstration of its demonstrations (forward only: no seed needed)."""
-        return [self.evaluate([r], seed + i, rows_per_pass) for i, r in enumerate(records)]
+        """Per prompt, the mean NLL per demonstration of its demonstrations (forward only: ``seed`` unused),
+        every prompt's rows scored in one call (their shared prefix once)."""
+        pairs, logps = self._scored(records, rows_per_pass)
+        nll: dict[int, list[float]] = {}
+        for (record, _), lp in zip(pairs, logps):
+            nll.setdefault(record.index, []).append(-lp)
+        return [sum(nll[r.index]) / len(nll[r.index]) for r in records]
 
     def evaluate(self, records: list[PromptRecord], seed: int, rows_per_pass: int) -> float:
         """Mean NLL per demonstration of the demonstrations paired with ``records``."""
+        _, logps = self._scored(records, rows_per_pass)
+        return -sum(logps) / len(logps)
+
+    @torch.no_grad()
+    def _scored(self, records: list[PromptRecord], micro: int) -> tuple[list, list[float]]:
+        """The demonstration pairs of ``records`` and each one's summed log-likelihood."""
         other = SFTDemonstrationsObjective(self.objective.path, self.objective.append_eos)
         other.prepare(self.ctx, records)
         rows = demonstration_rows(self.ctx.tokenizer, other.pairs, other.append_eos)
-        return -self._logprob_sum(rows, rows_per_pass) / len(rows)
+        return other.pairs, row_logprobs(self.ctx.model, rows, self.pad, self.ctx.device, micro)
 
 
 def make_task(objective: Objective, ctx: Context, records: list[PromptRecord], k: int, max_new_tokens: int):
