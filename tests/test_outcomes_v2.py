@@ -608,7 +608,7 @@ def test_scoring_with_the_shared_prefix_once_equals_the_plain_path(name, monkeyp
     assert fast == pytest.approx(plain, abs=1e-4)  # fp32 rounding only: sums of ~5 log-probs of ~-4 each
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2", "lora"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "gpt2", "lora", "frozen-start"])
 def test_training_with_the_shared_prefix_once_gives_the_per_row_gradient(name, monkeypatch):
     """The training step's gradient with the prefix run once (its keys and values cut as leaves) equals a
     per-row, unpadded float64 backward of the same loss, token weights and micro-batches included."""
@@ -625,6 +625,10 @@ def test_training_with_the_shared_prefix_once_gives_the_per_row_gradient(name, m
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.1)
+    elif name == "frozen-start":  # module-level arms: the embeddings and first layer frozen, their K/V no graph
+        model = tiny_model("llama-untied").double().eval()
+        for n, p in model.named_parameters():
+            p.requires_grad_(not (n.startswith("model.embed") or n.startswith("model.layers.0.")))
     else:
         model = tiny_model(name).double().eval()
     shared = [int(x) for x in torch.randint(2, 60, (12,))]

@@ -117,7 +117,8 @@ def prefix_backward(model, rows, weights, sign: float, denominator: int, pad_id:
         loss = sign * _suffix_logprobs(model, part, p, past, pad_id, device, w).sum() / denominator
         loss.backward()
         total += float(loss.detach())
-    reached = [(t, leaf.grad) for t, leaf in zip(kv, leaves) if leaf.grad is not None]
+    # a layer whose keys and values depend on no trainable parameter (frozen early layers) has no graph
+    reached = [(t, leaf.grad) for t, leaf in zip(kv, leaves) if leaf.grad is not None and t.requires_grad]
     if reached:
         torch.autograd.backward([t for t, _ in reached], [g for _, g in reached])
     return total
