@@ -15,9 +15,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
-from fisher_select.calibration.sampling import _cache_keyword, _cache_of, left_pad, pad_rows
+from fisher_select.calibration.sampling import _cache_keyword, _cache_of, _mergeable, left_pad, pad_rows
 from fisher_select.engine.logprob import forward_logits, position_ids_from_mask, response_logprobs
 
 CACHED = True  # the cached paths: shared prefix once, KV cache in greedy decoding; False: the plain path
@@ -50,13 +50,18 @@ def row_logprobs(model, rows, pad_id: int, device, micro: int = 8) -> list[float
     p = common_prefix(rows) if rows else 0
     if not CACHED or p < MIN_PREFIX:
         return _plain(model, rows, pad_id, device, micro)
-    prefix = torch.tensor([rows[0].ids[:p]], device=device)  # (1, P)
-    cache = _cache_of(model(input_ids=prefix, attention_mask=torch.ones_like(prefix),
-                            position_ids=torch.arange(p, device=device)[None], use_cache=True))
+    cache = _prefix_cache(model, rows[0].ids[:p], device)
     out = []
     for i in range(0, len(rows), micro):
         out += _suffix_pass(model, rows[i : i + micro], p, cache, pad_id, device)
     return out
+
+
+def _prefix_cache(model, ids: list[int], device):
+    """The KV cache of the shared prefix ``ids`` (batch 1, positions from 0)."""
+    prefix = torch.tensor([ids], device=device)  # (1, P)
+    return _cache_of(model(input_ids=prefix, attention_mask=torch.ones_like(prefix),
+                           position_ids=torch.arange(len(ids), device=device)[None], use_cache=True))
 
 
 def _suffix_pass(model, rows, p: int, cache, pad_id: int, device) -> list[float]:
@@ -101,11 +106,9 @@ def prefix_backward(model, rows, weights, sign: float, denominator: int, pad_id:
     if p < MIN_PREFIX:
         return None
     device = next(model.parameters()).device
-    prefix = torch.tensor([rows[0].ids[:p]], device=device)  # (1, P)
-    cache = _cache_of(model(input_ids=prefix, attention_mask=torch.ones_like(prefix),
-                            position_ids=torch.arange(p, device=device)[None], use_cache=True))
-    if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None  # sliding windows, offloading, other caches: the plain path
+    cache = _prefix_cache(model, rows[0].ids[:p], device)
+    if not _mergeable(cache):  # sliding windows, offloading, other caches: the plain path
+        return None
     kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]  # (1, heads, P, d) each, in the graph
     leaves = [t.detach().requires_grad_() for t in kv]
     total = 0.0
