@@ -34,7 +34,28 @@ def test_shipped_files_equal_their_makers_output(tmp_path, monkeypatch):
         assert (tmp_path / out).read_bytes() == (DATA / out).read_bytes(), out
 
 
-@pytest.mark.parametrize("name", ["arithmetic.jsonl", "arithmetic_chat.jsonl", "arithmetic_demos.jsonl"])
+def test_hidden_rule_files_equal_their_makers_output(tmp_path, monkeypatch):
+    maker = _maker("make_hidden_rule")
+    monkeypatch.setattr(maker, "OUT", tmp_path / "hidden_rule.jsonl")
+    monkeypatch.setattr(maker, "DEMOS", tmp_path / "hidden_rule_demos.jsonl")
+    maker.main()
+    for out in ("hidden_rule.jsonl", "hidden_rule_demos.jsonl"):
+        assert (tmp_path / out).read_bytes() == (DATA / out).read_bytes(), out
+
+
+def test_hidden_rule_answers_follow_the_rule_and_match_the_demonstrations():
+    import re
+
+    problems, demos = _lines("hidden_rule.jsonl"), _lines("hidden_rule_demos.jsonl")
+    assert [d["prompt"] for d in demos] == [p["prompt"] for p in problems]
+    assert [d["response"] for d in demos] == [str(p["answer"]) for p in problems]
+    for p in problems:
+        a, b = (int(x) for x in re.findall(r"\d+", p["prompt"]))
+        assert p["answer"] == a + b + 1, p["prompt"]
+
+
+@pytest.mark.parametrize("name", ["arithmetic.jsonl", "arithmetic_chat.jsonl", "arithmetic_demos.jsonl",
+                                  "hidden_rule.jsonl", "hidden_rule_demos.jsonl"])
 def test_at_least_512_distinct_problems_and_no_repeat(name):
     records = load_prompts(DATA / name)
     keys = [normalized_text(r) for r in records]
