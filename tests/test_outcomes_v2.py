@@ -238,6 +238,40 @@ def test_a_task_discriminates_only_when_random_at_0_01_percent_recovers_under_80
     assert _discriminates({})["discriminates"] is None
 
 
+def test_verdicts_pair_the_bound_with_the_best_peer_on_gain_and_on_forgetting():
+    from fisher_select.studies.arms import arm_name
+    from fisher_select.studies.assemble import _paired_table, _verdicts
+
+    def reps(recovered, kl):
+        return {r: {"recovered": x, "forgetting_kl": y} for r, (x, y) in enumerate(zip(recovered, kl))}
+
+    per = {arm_name("bound", 1e-4): reps([0.90, 0.92, 0.91], [0.3, 0.4, 0.35]),
+           arm_name("random", 1e-4): reps([0.95, 0.97, 0.96], [12.0, 12.5, 11.8]),  # the best gain, forgets most
+           arm_name("grad_estimate", 1e-4): reps([0.80, 0.81, 0.82], [0.3, 0.5, 0.2])}
+    tables = {m: _paired_table(per, [1e-4], m, 2000) for m in ("recovered", "forgetting_kl")}
+    v = _verdicts(per, [1e-4], tables)["0.0001"]
+    assert v["best_peer"] == "random" and v["verdict"] == "loses"
+    assert v["mean_difference"] == pytest.approx(-0.05)
+    assert v["forgetting_kl"]["verdict"] == "less"
+    assert v["forgetting_kl"]["mean_difference"] == pytest.approx((0.3 + 0.4 + 0.35 - 12 - 12.5 - 11.8) / 3)
+    per[arm_name("random", 1e-4)] = reps([0.95, 0.97, 0.96], [0.2, 0.5, 0.35])  # differences straddle 0
+    tables = {m: _paired_table(per, [1e-4], m, 2000) for m in ("recovered", "forgetting_kl")}
+    assert _verdicts(per, [1e-4], tables)["0.0001"]["forgetting_kl"]["verdict"] == "the same"
+
+
+def test_the_discriminating_verdict_states_the_measured_share_beside_the_rule():
+    from fisher_select.report.outcome_tables import verdict_lines
+    from fisher_select.run.outcomes import OutcomesRecord
+    from fisher_select.studies.arms import arm_name
+    from fisher_select.studies.assemble import _discriminates
+
+    d = _discriminates({arm_name("random", 1e-4): {0: {"content_recovered": 0.95}, 1: {"content_recovered": 0.97}}})
+    record = OutcomesRecord("sft", {}, 0, False, {}, {}, {"n": 0, "rule": "r"}, None, d, {}, {}, {}, {})
+    line = verdict_lines(record)[1]
+    assert line.startswith("- discriminates: False (random at 0.01% recovers 0.960 of full's content gain; ")
+    assert "discriminates when random at 0.0001 recovers less than 0.8" in line
+
+
 def test_trained_needs_three_standard_errors():
     assert trained([1.0, 1.1, 0.9, 1.0])["trained"]
     assert trained([])["mean"] is None and trained([1.0])["se"] is None  # not judged: None, never NaN in JSON
@@ -351,6 +385,8 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert record.arms["start"]["replicates"][0]["forgetting_kl"] == pytest.approx(0, abs=1e-5)  # its own responses
     lo, hi = verdict["interval"]
     assert verdict["verdict"] == ("wins" if lo > 0 else "loses" if hi < 0 else "ties")
+    kl = record.paired["forgetting_kl"][f"bound@0.05 vs {verdict['best_peer']}@0.05"]
+    assert verdict["forgetting_kl"]["mean_difference"] == kl["mean_difference"]  # against the same peer
     assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None
     table = "\n".join(record_markdown(record))
     assert "| bound@0.05 |" in table and "bound@0.05 vs random@0.05" in table and "- trained:" in table

@@ -46,15 +46,16 @@ def verdict_lines(record: OutcomesRecord) -> list[str]:
     else:
         told = (f"- trained: {t['trained']} (full fine-tuning's improvement {t['mean']:.4g}, SE {t['se']:.3g}; "
                 f"rule: {t['rule']})")
-    out = [told,
-           f"- discriminates: {d.get('discriminates')} ({d.get('rule') or d.get('why')})"]
+    share = d.get("random_content_recovered")
+    measured = "" if share is None else f"random at 0.01% recovers {share:.3f} of full's content gain; "
+    out = [told, f"- discriminates: {d.get('discriminates')} ({measured}{d.get('rule') or d.get('why')})"]
     if record.noise_floor:
         out.append(f"- evaluation noise floor: {record.noise_floor['mean_abs_difference']:.4g} (the untrained model "
                    "evaluated with two sampling seeds, mean |difference| over replicates)")
     for budget, v in record.verdicts.items():
         out.append(f"- at {float(budget):.4%} the bound {v['verdict']} against the best peer, {v['best_peer']} "
                    f"(mean difference {v['mean_difference']:+.3f}, 95% interval [{v['interval'][0]:.3f}, "
-                   f"{v['interval'][1]:.3f}], {v['n']} replicates)")
+                   f"{v['interval'][1]:.3f}], {v['n']} replicates)" + _forgetting_words(v))
     rows = record.training_rows
     if rows.get("signal_share") is not None:
         finished = rows.get("finished_share")
@@ -63,6 +64,15 @@ def verdict_lines(record: OutcomesRecord) -> list[str]:
     edge = record.on_edge()
     out.append("- lr on a grid edge (*): " + (", ".join(edge) if edge else "none"))
     return out
+
+
+def _forgetting_words(verdict: dict) -> str:
+    """"; it forgets less than it (KL ...)" for a verdict that holds the forgetting comparison, else ""."""
+    kl = verdict.get("forgetting_kl")
+    if kl is None:
+        return ""
+    return (f"; it forgets {kl['verdict']}{'' if kl['verdict'] == 'the same' else ' than it'} (KL per token "
+            f"{kl['mean_difference']:+.3f}, 95% interval [{kl['interval'][0]:.3f}, {kl['interval'][1]:.3f}])")
 
 
 SUMS = {"abs_g_hat": "|g_hat_i|", "sqrt_fs": "sqrt(F_i S)"}

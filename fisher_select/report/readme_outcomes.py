@@ -83,7 +83,17 @@ def kind_table(record: OutcomesRecord) -> list[str]:
         verdicts.append("-" if v is None else f"**{v['verdict']}** vs {v['best_peer']} ({v['mean_difference']:+.2f} "
                                               f"[{v['interval'][0]:.2f}, {v['interval'][1]:.2f}])")
     lines.append("| the bound vs the best peer | " + " | ".join(verdicts) + " | |")
+    forgets = [_forgets(record.verdicts.get(b)) for b in budgets]
+    if any(f != "-" for f in forgets):
+        lines.append("| its forgetting (KL) vs that peer | " + " | ".join(forgets) + " | |")
     return lines
+
+
+def _forgets(verdict: dict | None) -> str:
+    kl = (verdict or {}).get("forgetting_kl")
+    if kl is None:
+        return "-"
+    return f"**{kl['verdict']}** ({kl['mean_difference']:+.2f} [{kl['interval'][0]:.2f}, {kl['interval'][1]:.2f}])"
 
 
 def readme_block(results) -> str:
@@ -94,7 +104,8 @@ def readme_block(results) -> str:
     lines = ["Share of full fine-tuning's held-out gain each arm recovers (mean over replicates [95% bootstrap "
              "interval]; KL: forgetting, per token, on the starting model's own responses to general prompts; "
              "`*`: lr still on its grid's edge). Verdict: the paired difference of the bound's share against the best "
-             "peer's, wins or loses when its 95% interval excludes 0, else ties. Generated from "
+             "peer's, wins or loses when its 95% interval excludes 0, else ties; and its KL forgetting against that "
+             "peer's, less or more when the interval excludes 0. Generated from "
              "`bench/results/outcomes-<kind>.json` by `scripts/readme_outcomes.py`."]
     for record in records:
         lines += ["", *kind_table(record)]

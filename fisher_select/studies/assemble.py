@@ -185,7 +185,7 @@ def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
             "higher_is_better": higher, "lr_choices": choices, "arms": arms, "trained": trained(full),
             "noise_floor": _noise_floor(cells), "discriminates": _discriminates(per),
             "paired": tables,
-            "lr_advice": _lr_advice(choices), "verdicts": _verdicts(per, protocol["budgets"], tables["recovered"]),
+            "lr_advice": _lr_advice(choices), "verdicts": _verdicts(per, protocol["budgets"], tables),
             "training_rows": _shares(cells)}
 
 
@@ -199,10 +199,11 @@ def keep_record_in_run(record, run_dir) -> Path:
     return folder
 
 
-def _verdicts(per: dict, budgets: list, recovered: dict) -> dict:
+def _verdicts(per: dict, budgets: list, tables: dict) -> dict:
     """Per budget: the bound against the peer mask with the best mean recovered share, in one word:
-    wins / loses when the 95% interval of the paired difference excludes 0, else ties (``recovered``: the
-    paired table of recovered shares, ``_paired_table``)."""
+    wins / loses when the 95% interval of the paired difference excludes 0, else ties; and against the
+    same peer on forgetting (KL on general responses): forgets less / more when the interval excludes 0,
+    else the same (``tables``: the paired tables by measure, ``_paired_table``)."""
     out = {}
     for b in budgets:
         peers = {arm: _summary(per.get(arm_name(arm, b), {})).get("recovered") for arm in BUDGETED_ARMS[1:]}
@@ -210,14 +211,23 @@ def _verdicts(per: dict, budgets: list, recovered: dict) -> dict:
         if not peers or arm_name("bound", b) not in per:
             continue
         best_peer = max(peers, key=lambda a: peers[a]["mean"])
-        stats = recovered.get(f"bound@{b:g} vs {arm_name(best_peer, b)}")
+        pair = f"bound@{b:g} vs {arm_name(best_peer, b)}"
+        stats = tables["recovered"].get(pair)
         if stats is None or stats["interval"] is None:
             continue
-        lo, hi = stats["interval"]
-        word = "wins" if lo > 0 else "loses" if hi < 0 else "ties"
-        out[f"{b:g}"] = {"best_peer": best_peer, "verdict": word, **{k: stats[k] for k in ("mean_difference",
-                                                                                           "interval", "n")}}
+        out[f"{b:g}"] = {"best_peer": best_peer, "verdict": _word(stats["interval"], "wins", "loses", "ties"),
+                         **{k: stats[k] for k in ("mean_difference", "interval", "n")}}
+        kl = tables.get("forgetting_kl", {}).get(pair)
+        if kl is not None and kl["interval"] is not None:  # lower forgetting is better: "less" when below 0
+            out[f"{b:g}"]["forgetting_kl"] = {"verdict": _word(kl["interval"], "more", "less", "the same"),
+                                              **{k: kl[k] for k in ("mean_difference", "interval", "n")}}
     return out
+
+
+def _word(interval, above: str, below: str, between: str) -> str:
+    """``above`` when a 95% interval lies above 0, ``below`` when below, else ``between``."""
+    lo, hi = interval
+    return above if lo > 0 else below if hi < 0 else between
 
 
 def _shares(cells: list[dict]) -> dict:
@@ -256,4 +266,5 @@ def _discriminates(per: dict) -> dict:
         return {"discriminates": None, "why": "no random@0.0001 cell with a content gain"}
     share = statistics.fmean(shares)
     return {"discriminates": share < DISCRIMINATES_BELOW, "random_content_recovered": share,
-            "rule": f"random at {DISCRIMINATING_BUDGET:g} recovers < {DISCRIMINATES_BELOW:g} of full's content gain"}
+            "rule": f"a task discriminates when random at {DISCRIMINATING_BUDGET:g} recovers less than "
+                    f"{DISCRIMINATES_BELOW:g} of it"}
