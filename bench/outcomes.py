@@ -31,6 +31,7 @@ recorded as the selection cost); otherwise pass ``--calibration-seconds`` if you
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -185,6 +186,20 @@ def replicate_loader(args, protocol):
     return load
 
 
+def replicate_identity(args) -> dict:
+    """What defines the replicates besides the protocol: the recipe's text, the prompts' text, the model and
+    device; a finished replicate's marker is honoured only under the same (``study.run_study``)."""
+    from fisher_select.calibration.prompts import load_prompts
+    from fisher_select.recipe import find_recipe, load_recipe
+
+    recipe = find_recipe(args.recipe)
+    records = load_prompts(args.prompts or load_recipe(recipe).prompts)
+    digest = lambda text: hashlib.sha256(text.encode()).hexdigest()  # noqa: E731
+    return {"recipe": digest(recipe.read_text(encoding="utf-8")),
+            "prompts": digest(json.dumps([x.fields for x in records], sort_keys=True)),
+            "model": args.model, "device": args.device}
+
+
 def time_cell(args, protocol) -> int:
     """One held-out cell of replicate 0, timed with the plain scoring path and with the shared prefix computed
     once (``studies.prefix``); both results are printed so that the lead sees they agree."""
@@ -244,7 +259,7 @@ def main_v2(args) -> int:
     if not args.recipe:
         raise FisherSelectError("--v2 calibrates each replicate from --recipe NAME; give it (or --assemble)")
     done = run_study(protocol, args.cells, replicate_loader(args, protocol), budget_minutes=args.budget_minutes,
-                     pilot_only=args.pilot, progress=args.progress)
+                     pilot_only=args.pilot, progress=args.progress, identity=replicate_identity(args))
     print(json.dumps({k: v for k, v in done.items() if k != "lr_choices"}))
     for name, c in done["lr_choices"].items():
         print(f"{name}: lr {c['chosen']:.3g}" + (" (ON THE GRID'S EDGE)" if c["on_edge"] else ""))

@@ -395,6 +395,36 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     _check_the_product_shows_it(tmp_path, record, load)
 
 
+def test_a_finished_replicate_is_skipped_unloaded_under_the_same_settings_and_redone_otherwise(tmp_path):
+    records = _records(10)
+    protocol = ProtocolV2("sft", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=2,
+                          budgets=(0.05,), arms=("bound", "full"), grid_cap=5, steps=1, prompts_per_step=2,
+                          samples_per_prompt=1, max_new_tokens=3, bootstrap=100)
+    load, identity = _loader(tmp_path, protocol, records), {"recipe": "a", "model": None}
+    loaded = []
+
+    def counting(r):
+        loaded.append(r)
+        return load(r)
+
+    first = run_study(protocol, tmp_path / "cells", counting, identity=identity)
+    assert first["finished"] and loaded == [0, 1] and sorted(p.name for p in (tmp_path / "cells/finished").iterdir()) \
+        == ["r0.json", "r1.json"]
+    again = run_study(protocol, tmp_path / "cells", counting, identity=identity)
+    assert loaded == [0, 1] and again["finished"] and again["computed"] == 0  # neither replicate loaded again
+    assert again["skipped"] == first["computed"] and again["lr_choices"] == first["lr_choices"]  # the pilot's lrs kept
+    run_study(protocol, tmp_path / "cells", counting, identity={"recipe": "b", "model": None})
+    assert loaded == [0, 1, 0, 1]  # another recipe: every replicate is loaded (its cells' hashes decide)
+    more = dataclasses.replace(protocol, arms=protocol.arms + ("random",))  # an arm the markers do not cover
+    run_study(more, tmp_path / "cells", counting, identity=identity)
+    assert loaded[4:] == [0, 1]
+    marker = json.loads((tmp_path / "cells/finished/r1.json").read_text())
+    (tmp_path / "cells" / marker["cells"][0]).unlink()  # a cell file gone: its replicate is loaded and redone
+    redo = run_study(more, tmp_path / "cells", counting, identity=identity)
+    assert loaded[6:] == [1] and redo["computed"] == 1
+    assert len(read_cells(tmp_path / "cells")) > 0  # the markers' folder is not read as cells
+
+
 def _check_the_product_shows_it(tmp_path, record, load):
     """The run's report shows the protocol 2 tables with intervals; the README block is generated from the record."""
     from fisher_select.report.readme_outcomes import kind_table, readme_block

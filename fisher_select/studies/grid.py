@@ -27,6 +27,10 @@ class GridChoice:
         return {"grid": self.grid, "validation": self.scores, "chosen": self.chosen, "on_edge": self.on_edge,
                 "extended": self.extended}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "GridChoice":
+        return cls(d["grid"], d["validation"], d["chosen"], d["on_edge"], d["extended"])
+
 
 def best(grid: list[float], scores: list[float], higher_is_better: bool) -> int:
     """Index of the best score (ties: the smaller lr)."""
