@@ -73,6 +73,42 @@ def test_select_top_fraction(demo_run, capsys):
     assert "model.layers" in capsys.readouterr().out
 
 
+def test_select_and_lora_print_the_studys_lr_advice_for_the_runs_kind(demo_run, tmp_path, capsys, monkeypatch):
+    """With a fit for the run's kind, select prints exp(intercept + slope log sum|g_hat| over its mask) (checked by
+    hand from the written mask and the run's g_hat); lora prints the study's LoRA lr; with none, each says so."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from fisher_select.outputs import lr_advice
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    grad = {n: torch.randn(g.shape, generator=torch.Generator().manual_seed(0))  # a g_hat that is nowhere 0
+            for n, g in load_file(str(run / "grad_estimate.safetensors")).items()}
+    save_file(grad, str(run / "grad_estimate.safetensors"))
+    kind = load_run(run).objectives[0].type
+    monkeypatch.setattr(lr_advice, "ADVICE_FILE", tmp_path / "none.json")
+    out = tmp_path / "m.safetensors"
+    assert main(["select", str(run), "--top", "0.001", "--out", str(out)]) == 0
+    assert f"no suggested lr: the outcome study has no {kind} result yet" in capsys.readouterr().out
+    fit = {"intercept": 2.0, "slope": -0.9, "r": -0.9, "n": 20, "loo_error_factor": 2.5, "covered": 19}
+    (tmp_path / "advice.json").write_text(json.dumps({kind: {"model": "m", "steps": 8, "optimizer": "adamw",
+                                                             "source": "s", "mask": fit, "lora_all_linear_r1": 0.01}}))
+    monkeypatch.setattr(lr_advice, "ADVICE_FILE", tmp_path / "advice.json")
+    assert main(["select", str(run), "--top", "0.001", "--out", str(out), "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    masks = load_file(str(out))
+    total = sum(float(grad[n].double()[m].abs().sum()) for n, m in masks.items())
+    assert f"suggested AdamW lr for this mask: {math.exp(2.0 - 0.9 * math.log(total)):.2g} " in printed
+    assert "covered the tuned lr for 19 of 20 masks" in printed
+    save_file({n: torch.zeros_like(g) for n, g in grad.items()}, str(run / "grad_estimate.safetensors"))
+    assert main(["select", str(run), "--top", "0.001", "--out", str(out), "--overwrite"]) == 0
+    assert "no suggested lr: g_hat is zero over this mask" in capsys.readouterr().out
+    assert main(["lora", str(run), "--out", str(tmp_path / "lora")]) == 0
+    assert f"tuned all-linear LoRA at rank 1 to lr 0.01 for {kind}" in capsys.readouterr().out
+
+
 def test_existing_run_is_not_overwritten_without_flag(demo_run, capsys):
     before = (demo_run / "report.json").read_text()
     assert main(["calibrate", "--out", str(demo_run), *SMALL]) == 2

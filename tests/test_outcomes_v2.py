@@ -224,6 +224,36 @@ def test_lr_advice_fits_log_lr_on_log_mask_sum_and_reports_its_leave_one_out_err
     assert _lr_advice(same)["abs_g_hat"]["slope"] is None
 
 
+def test_training_at_the_suggested_lr_is_scored_on_the_pilots_swept_grid_against_the_tuned_one():
+    """Each mask's leave-one-out suggestion snaps to its grid's nearest point; its validation minus the chosen
+    point's is the regret (lower is better here), counted by steps off, checked by brute force."""
+    from fisher_select.studies.assemble import _lr_advice
+
+    sums, noise = [1e-3, 3e-3, 1e-2, 5e-2, 0.2], [0.0, 1.5, -0.2, 0.1, -1.4]
+    grid = [10 ** (k / 2) for k in range(-12, 1)]  # 1e-6 .. 1, sqrt(10) apart
+    choices = {}
+    for i, (s, e) in enumerate(zip(sums, noise)):
+        chosen = min(grid, key=lambda g: abs(math.log(g / (1e-4 / s * math.exp(e)))))
+        scores = [3.0 + (math.log10(g / chosen)) ** 2 for g in grid]  # best at the chosen lr
+        choices[f"m{i}"] = {"chosen": chosen, "on_edge": False, "grid": grid, "validation": scores,
+                            "mask_sums": {"abs_g_hat": s, "sqrt_fs": None}}
+    got = _lr_advice(choices, higher_is_better=False)["abs_g_hat"]["suggested_vs_tuned"]
+    xs = np.log(sums)
+    ys = np.log([choices[f"m{i}"]["chosen"] for i in range(5)])
+    steps, regrets = [], []
+    for i in range(5):
+        keep = [j for j in range(5) if j != i]
+        f = sps.linregress(xs[keep], ys[keep])
+        lr = math.exp(f.intercept + f.slope * xs[i])
+        point = min(grid, key=lambda g: abs(math.log(g / lr)))
+        steps.append(round(abs(math.log10(point / choices[f"m{i}"]["chosen"])) * 2))
+        regrets.append(math.log10(point / choices[f"m{i}"]["chosen"]) ** 2)
+    assert got["n"] == 5 and got["same_point"] == steps.count(0) and got["one_step_off"] == steps.count(1)
+    assert max(steps) >= 1  # the noise puts some suggestions off the tuned point: the comparison can fail
+    assert got["regret_mean"] == pytest.approx(np.mean(regrets)) and got["regret_max"] == pytest.approx(max(regrets))
+    assert got["diverged"] == 0 and got["tuned_validation_mean"] == pytest.approx(3.0)
+
+
 def test_a_task_discriminates_only_when_random_at_0_01_percent_recovers_under_80_percent_of_the_content_gain():
     from fisher_select.studies.arms import arm_name
     from fisher_select.studies.assemble import _discriminates
@@ -468,14 +498,16 @@ def test_the_readme_rewriter_replaces_only_the_marked_block(tmp_path):
     assert rewrite_block(readme, "new table") is True
     assert readme.read_text() == f"# title\n\nbefore\n{BEGIN}\nnew table\n{END}\nafter\n"
     assert rewrite_block(readme, "new table") is False  # unchanged: nothing written
-    assert readme_main([str(readme), "--results", str(tmp_path), "--check"]) == 1  # stale against no result
-    assert readme_main([str(readme), "--results", str(tmp_path)]) == 0
+    advice = ["--advice", str(tmp_path / "lr_advice.json")]
+    assert readme_main([str(readme), "--results", str(tmp_path), "--check", *advice]) == 1  # stale against no result
+    assert readme_main([str(readme), "--results", str(tmp_path), *advice]) == 0
     assert "No protocol-2 result exists yet" in readme.read_text() and readme.read_text().endswith(f"{END}\nafter\n")
-    assert readme_main([str(readme), "--results", str(tmp_path), "--check"]) == 0
+    assert json.loads((tmp_path / "lr_advice.json").read_text()) == {}  # no record, no advice
+    assert readme_main([str(readme), "--results", str(tmp_path), "--check", *advice]) == 0
     readme.write_text("no markers here\n")
     with pytest.raises(FisherSelectError, match="must hold the markers .* once each"):
         rewrite_block(readme, "x")
-    assert readme_main([str(readme), "--results", str(tmp_path)]) == 2 and readme.read_text() == "no markers here\n"
+    assert readme_main([str(readme), "--results", str(tmp_path), *advice]) == 2 and readme.read_text() == "no markers here\n"
 
 
 def test_replicates_draw_disjoint_splits_of_their_own():

@@ -81,8 +81,18 @@ def write_lora(run, kwargs: dict, out: Path, overwrite: bool) -> int:
     print_targets(export)
     print(f"wrote {path}/ (adapter_config.json, {LORA_PROVENANCE_FILE})")
     print(SNIPPET.format(path=str(path), provenance=LORA_PROVENANCE_FILE))
+    print(lora_lr_line(run))
     print(MASK_CAVEAT)
     return 0
+
+
+def lora_lr_line(run) -> str:
+    """What the outcome study measured about LoRA's lr for the run's kind, or that it measured nothing."""
+    from fisher_select.outputs.lr_advice import lora_line
+    from fisher_select.run.load import load_run
+
+    kind = load_run(run).objectives[0].type
+    return lora_line(kind) or f"no measured LoRA lr for {kind} in the outcome study (docs/OUTCOMES.md); sweep the lr"
 
 
 def print_targets(export) -> None:

@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--objective", metavar="NAME", help="objective whose S sets the bound (default: primary)")
     p.add_argument("--score", choices=SCORES, default=SCORES[0],
                    help="what --top ranks by: the bound sqrt(F S) (default) or |g_hat|, the calibration's own "
-                        "gradient estimate (docs/OUTCOMES.md: it did slightly better at 1%% under AdamW for SFT)")
+                        "gradient estimate (docs/OUTCOMES.md compares the two rules per kind and budget)")
     p.add_argument("--out", required=True, metavar="FILE", help="mask file to write (.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing mask file")
     p.add_argument("--all", dest="all_modules", action="store_true",
@@ -68,8 +68,24 @@ def run_select(args: argparse.Namespace) -> int:
     for warning in maskset.meta["warnings"]:
         print(f"warning: {warning}")
     print(f"wrote {path} and {sidecar_path(path).name}")
+    print(lr_line(args.run, maskset.masks, args.objective))
     print(MASK_CAVEAT)
     return 0
+
+
+def lr_line(run_dir, masks: dict, objective: str | None) -> str:
+    """The suggested lr for the mask (``outputs.lr_advice``), or why there is none."""
+    from fisher_select.errors import FisherSelectError
+    from fisher_select.outputs.lr_advice import advice_line
+    from fisher_select.run.load import load_run
+
+    run = load_run(run_dir)
+    kind = run.objective(objective).type
+    try:
+        grad = run.grad_estimate_of(objective)
+    except FisherSelectError:
+        return "no suggested lr: the run keeps no gradient estimate g_hat (calibrated with --accumulators fisher)"
+    return advice_line(kind, masks, grad)
 
 
 def _print_counts(meta: dict, limit: int | None) -> None:

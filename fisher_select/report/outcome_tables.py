@@ -98,8 +98,19 @@ def lr_advice_lines(record: OutcomesRecord) -> list[str]:
         else:
             out.append(head + f"log lr = {a['intercept']:.2f} + {a['slope']:.2f} log(sum), r = {a['r']:.2f} over "
                        f"{a['n']} masks; a suggestion from it is off by a factor of {a['loo_error_factor']:.2f} "
-                       "(leave-one-out RMS; one grid step is 3.16)")
+                       "(leave-one-out RMS; one grid step is 3.16)" + _versus_tuned(a.get("suggested_vs_tuned")))
     return out
+
+
+def _versus_tuned(v: dict | None) -> str:
+    """Training at the (leave-one-out) suggestion instead of the tuned lr, on the pilot's validation."""
+    if not v:
+        return ""
+    regret = "" if v["regret_mean"] is None else (f"; validation there is worse by {v['regret_mean']:.3g} on average "
+                                                  f"(at most {v['regret_max']:.3g}; the tuned lrs score "
+                                                  f"{v['tuned_validation_mean']:.3g})")
+    return (f". At the swept lr nearest the suggestion: the tuned lr for {v['same_point']} of {v['n']} masks, one grid "
+            f"step off for {v['one_step_off']}, diverged for {v['diverged']}" + regret)
 
 
 def record_markdown(record: OutcomesRecord) -> list[str]:

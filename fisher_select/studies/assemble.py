@@ -107,24 +107,29 @@ def _paired_table(per: dict, budgets: list, measure: str, resamples: int) -> dic
     return out
 
 
-def _lr_advice(choices: dict) -> dict:
+def _lr_advice(choices: dict, higher_is_better: bool = False) -> dict:
     """Does a mask's sum of |g_hat_i| (or of sqrt(F_i S)) predict its chosen lr? A log-log fit over the masks
     of the pilot replicate (``choices``: ``_lr_choices``), and its accuracy as a suggestion would have it:
     the leave-one-out error factor (exp of the RMS of log(chosen / predicted), each mask predicted by a fit
-    without it; 1 is exact, sqrt(10) is one grid step off). A choice on its grid's edge is left out (its
-    lr is a bound, not an optimum)."""
+    without it; 1 is exact, sqrt(10) is one grid step off), and what training at the suggestion would have
+    cost on validation (``_suggested_vs_tuned``). A choice on its grid's edge is left out (its lr is a
+    bound, not an optimum)."""
     out = {}
     for which in ("abs_g_hat", "sqrt_fs"):
-        xs, ys = [], []
+        names, xs, ys = [], [], []
         for name, choice in sorted(choices.items()):
             sums = choice.get("mask_sums")
             if sums and sums.get(which) and not choice["on_edge"]:
+                names.append(name)
                 xs.append(math.log(sums[which]))
                 ys.append(math.log(choice["chosen"]))
         if len(xs) >= 4 and np.ptp(xs) > 0 and np.ptp(ys) > 0:
             slope, intercept = np.polyfit(xs, ys, 1)
+            predicted = _loo_predictions(xs, ys)
             out[which] = {"n": len(xs), "slope": float(slope), "intercept": float(intercept),
-                          "r": float(np.corrcoef(xs, ys)[0, 1]), "loo_error_factor": _loo_error_factor(xs, ys),
+                          "r": float(np.corrcoef(xs, ys)[0, 1]), "loo_error_factor": _error_factor(ys, predicted),
+                          "suggested_vs_tuned": _suggested_vs_tuned(
+                              [choices[n] for n in names], [math.exp(p) for p in predicted], higher_is_better),
                           "meaning": "log(chosen lr) = intercept + slope * log(sum over the mask), pilot replicate"}
         else:
             out[which] = {"n": len(xs), "slope": None, "r": None, "loo_error_factor": None,
@@ -132,14 +137,41 @@ def _lr_advice(choices: dict) -> dict:
     return out
 
 
-def _loo_error_factor(xs: list[float], ys: list[float]) -> float:
-    """exp(RMS over points of the residual of a line fitted to the other points)."""
-    errors = []
+def _loo_predictions(xs: list[float], ys: list[float]) -> list[float]:
+    """Each point's y as predicted by a line fitted to the other points."""
+    out = []
     for i in range(len(xs)):
         rest = [j for j in range(len(xs)) if j != i]
         slope, intercept = np.polyfit([xs[j] for j in rest], [ys[j] for j in rest], 1)
-        errors.append(ys[i] - (intercept + slope * xs[i]))
-    return float(math.exp(math.sqrt(statistics.fmean(e * e for e in errors))))
+        out.append(intercept + slope * xs[i])
+    return out
+
+
+def _error_factor(ys: list[float], predicted: list[float]) -> float:
+    """exp(RMS of the log residuals)."""
+    return float(math.exp(math.sqrt(statistics.fmean((y - p) ** 2 for y, p in zip(ys, predicted)))))
+
+
+def _suggested_vs_tuned(choices: list[dict], suggested: list[float], higher_is_better: bool) -> dict | None:
+    """Training at the suggestion instead of the tuned lr, on the pilot's validation: each mask's suggestion
+    (leave-one-out) snaps to the nearest point of its swept grid, whose validation score is then compared with
+    the chosen lr's. ``regret`` is how much worse the suggestion's point is (>= 0, the metric's units)."""
+    rows = []
+    for choice, lr in zip(choices, suggested):
+        grid, scores = choice.get("grid"), choice.get("validation")
+        if not grid or not scores:
+            return None
+        i = min(range(len(grid)), key=lambda j: abs(math.log(grid[j] / lr)))
+        best = scores[grid.index(choice["chosen"])]
+        steps = abs(round(math.log10(grid[i] / choice["chosen"]) * 2))  # grid points are sqrt(10) apart
+        rows.append((steps, (best - scores[i]) if higher_is_better else (scores[i] - best), best))
+    regrets = [r for _, r, _ in rows if not math.isnan(r)]  # NaN: training at the suggestion diverged
+    return {"n": len(rows), "same_point": sum(s == 0 for s, _, _ in rows), "one_step_off": sum(s == 1 for s, _, _ in rows),
+            "diverged": len(rows) - len(regrets), "regret_mean": _mean(regrets),
+            "regret_max": max(regrets) if regrets else None,
+            "tuned_validation_mean": statistics.fmean(b for _, _, b in rows),
+            "meaning": "leave-one-out suggestion snapped to the nearest swept lr; regret: its validation score minus "
+                       "the tuned lr's (worse is > 0), pilot replicate"}
 
 
 def study_cells(folder, kind: str | None = None) -> list[dict]:
@@ -178,14 +210,16 @@ def assemble(folder, kind: str | None = None, resamples: int = 10_000) -> dict:
     # keeps the finished cells)
     budgets = sorted({c["key"]["budget"] for c in cells if c["key"]["budget"] is not None})
     replicates = sorted({c["key"]["replicate"] for c in cells if c["key"]["stage"] == "held_out"})
-    protocol = {**protocol, "budgets": budgets, "replicates": len(replicates)}
+    calibration = cells[0]["context"].get("calibration")
+    model = calibration["recipe"].get("model") if isinstance(calibration, dict) else None  # the recipe's model
+    protocol = {**protocol, "budgets": budgets, "replicates": len(replicates), "model": model}
     tables = {m: _paired_table(per, protocol["budgets"], m, resamples)
               for m in ("recovered", "forgetting", "forgetting_kl")}
     return {"protocol": OUTCOMES_PROTOCOL, "kind": protocol["kind"], "settings": protocol, "cells": len(cells),
             "higher_is_better": higher, "lr_choices": choices, "arms": arms, "trained": trained(full),
             "noise_floor": _noise_floor(cells), "discriminates": _discriminates(per),
             "paired": tables,
-            "lr_advice": _lr_advice(choices), "verdicts": _verdicts(per, protocol["budgets"], tables),
+            "lr_advice": _lr_advice(choices, higher), "verdicts": _verdicts(per, protocol["budgets"], tables),
             "training_rows": _shares(cells)}
 
 

@@ -1,0 +1,113 @@
+"""A starting lr for training a selection under AdamW, from the outcome study's measurements.
+
+The study (docs/OUTCOMES.md) chose each mask's lr on validation. The chosen lr falls as the sum of
+|g_hat_i| over the mask grows: under Adam every selected coordinate moves by about lr per step, so a
+step's first-order progress is about lr * sum |g_i|. ``lr_advice.json``, beside this file, holds that
+fit for each kind where the study supports it. ``scripts/readme_outcomes.py`` writes the file from the
+study's records (``advice_from_records``), and a test keeps it equal to them. ``suggest_lr`` applies
+the fit to a mask, and ``lora_line`` gives the study's tuned lr for all-linear LoRA at rank 1.
+
+This is a suggestion, not a promise. It was fitted on one model and task per kind. The printed line
+gives how often a sweep of three points around it covered the tuned lr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+ADVICE_FILE = Path(__file__).with_name("lr_advice.json")
+ONE_STEP = math.sqrt(10)  # the study's grids are sqrt(10) apart; a fit off by more is not shipped
+LORA_ARM = "lora_all_linear_r1"
+
+
+def advice_from_records(records: dict) -> dict:
+    """kind -> what the study supports (``records``: kind -> ``run.outcomes.OutcomesRecord``). ``mask`` is the
+    fit of log lr on log sum |g_hat| when its leave-one-out error is under one grid step, else None."""
+    out = {}
+    for kind, rec in sorted(records.items()):
+        fit = rec.lr_advice.get("abs_g_hat", {})
+        lora = rec.lr_choices.get(LORA_ARM)
+        mask = None
+        if fit.get("slope") is not None and fit["loo_error_factor"] < ONE_STEP:
+            versus = fit.get("suggested_vs_tuned") or {}
+            mask = {k: fit[k] for k in ("intercept", "slope", "r", "n", "loo_error_factor")}
+            mask["covered"] = versus.get("same_point", 0) + versus.get("one_step_off", 0)  # of n masks
+        out[kind] = {"model": rec.settings.get("model"), "steps": rec.settings.get("steps"),
+                     "optimizer": rec.settings.get("optimizer"), "source": f"bench/results/outcomes-{kind}.json",
+                     "mask": mask, "lora_all_linear_r1": None if not lora or lora["on_edge"] else lora["chosen"]}
+    return out
+
+
+def load_advice(path: Path | None = None) -> dict:
+    path = Path(ADVICE_FILE if path is None else path)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """An lr for a mask (``lr``) from its sum of |g_hat_i| and the study's fit for ``kind``."""
+
+    lr: float
+    sum_abs_g_hat: float
+    kind: str
+    fit: dict
+    model: str | None
+    steps: int | None
+
+    def line(self) -> str:
+        f = self.fit
+        low, high = self.lr / ONE_STEP, self.lr * ONE_STEP
+        return (f"suggested AdamW lr for this mask: {self.lr:.2g} (sum of |g_hat| over it {self.sum_abs_g_hat:.3g}). "
+                f"The outcome study's {self.kind} fit over {f['n']} masks ({self.model}, {self.steps} steps) was off by "
+                f"a factor of {f['loo_error_factor']:.2f} (leave-one-out). Sweeping {low:.2g}, {self.lr:.2g} and "
+                f"{high:.2g} covered the tuned lr for {f['covered']} of {f['n']} masks. Untested on other "
+                "models and tasks.")
+
+
+def suggest_lr(kind: str, masks: dict, grad_estimate: dict, advice: dict | None = None) -> Suggestion | None:
+    """The fit of ``kind`` applied to ``masks`` (name -> bool tensor) with the run's ``grad_estimate``; None when
+    the study supports no fit for that kind or the mask carries no gradient."""
+    entry = (load_advice() if advice is None else advice).get(kind) or {}
+    fit = entry.get("mask")
+    if fit is None:
+        return None
+    total = sum(float(grad_estimate[n][m].double().abs().sum()) for n, m in masks.items() if n in grad_estimate)
+    if not total > 0:
+        return None
+    lr = math.exp(fit["intercept"] + fit["slope"] * math.log(total))
+    return Suggestion(lr, total, kind, fit, entry.get("model"), entry.get("steps"))
+
+
+def advice_line(kind: str, masks: dict, grad_estimate: dict, advice: dict | None = None) -> str:
+    """What ``select`` prints: the suggestion for the mask, or why there is none."""
+    advice = load_advice() if advice is None else advice
+    found = suggest_lr(kind, masks, grad_estimate, advice)
+    if found is not None:
+        return found.line()
+    if (advice.get(kind) or {}).get("mask") is not None:
+        return ("no suggested lr: g_hat is zero over this mask (no sampled response carried signal to these "
+                "coordinates); sweep the lr")
+    return no_advice_line(kind, advice)
+
+
+def no_advice_line(kind: str, advice: dict | None = None) -> str:
+    """Why no lr is suggested for ``kind``, from what the study holds."""
+    entry = (load_advice() if advice is None else advice).get(kind)
+    if entry is None:
+        return f"no suggested lr: the outcome study has no {kind} result yet (docs/OUTCOMES.md); sweep the lr"
+    return (f"no suggested lr: in the outcome study's {kind} result, the mask's sum of |g_hat| did not predict the "
+            "tuned lr within one grid step; sweep the lr")
+
+
+def lora_line(kind: str, advice: dict | None = None) -> str | None:
+    """The study's tuned lr for all-linear LoRA at rank 1 for ``kind``, or None when it has none."""
+    entry = (load_advice() if advice is None else advice).get(kind) or {}
+    lr = entry.get("lora_all_linear_r1")
+    if lr is None:
+        return None
+    return (f"the outcome study tuned all-linear LoRA at rank 1 to lr {lr:.2g} for {kind} ({entry['model']}, "
+            f"{entry['steps']} AdamW steps; {entry['source']}). It is a starting point for other ranks and targets, "
+            "not a fit.")

@@ -1,0 +1,53 @@
+"""The lr advice that select and lora print: built from the study's records, applied to a mask by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from fisher_select.outputs.lr_advice import ONE_STEP, advice_from_records, lora_line, no_advice_line, suggest_lr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record(loo: float, lora_edge: bool = False):
+    fit = {"n": 20, "slope": -0.9, "intercept": 2.0, "r": -0.92, "loo_error_factor": loo,
+           "suggested_vs_tuned": {"n": 20, "same_point": 4, "one_step_off": 15}}
+    return SimpleNamespace(lr_advice={"abs_g_hat": fit, "sqrt_fs": {"slope": None}},
+                           lr_choices={"lora_all_linear_r1": {"chosen": 0.01, "on_edge": lora_edge}},
+                           settings={"model": "smollm2-135m-instruct", "steps": 8, "optimizer": "adamw"})
+
+
+def test_a_fit_is_shipped_only_under_one_grid_step_and_a_lora_lr_only_off_its_edge():
+    advice = advice_from_records({"sft": _record(2.96), "rl": _record(ONE_STEP + 0.01, lora_edge=True)})
+    assert advice["sft"]["mask"] == {"intercept": 2.0, "slope": -0.9, "r": -0.92, "n": 20, "loo_error_factor": 2.96,
+                                     "covered": 19}
+    assert advice["sft"]["lora_all_linear_r1"] == 0.01 and advice["sft"]["source"] == "bench/results/outcomes-sft.json"
+    assert advice["rl"]["mask"] is None and advice["rl"]["lora_all_linear_r1"] is None
+    assert "did not predict the tuned lr" in no_advice_line("rl", advice)
+    assert "has no opd-pg result yet" in no_advice_line("opd-pg", advice)
+    assert lora_line("rl", advice) is None and "lr 0.01 for sft" in lora_line("sft", advice)
+
+
+def test_the_suggestion_is_the_fit_at_the_masks_sum_of_abs_g_hat():
+    advice = advice_from_records({"sft": _record(2.5)})
+    g = {"a": torch.tensor([[0.5, -2.0], [1.0, 0.25]]), "b": torch.tensor([-3.0, 4.0])}
+    masks = {"a": torch.tensor([[True, True], [False, False]]), "b": torch.tensor([False, True])}
+    found = suggest_lr("sft", masks, g, advice)
+    assert found.sum_abs_g_hat == 0.5 + 2.0 + 4.0
+    assert math.isclose(found.lr, math.exp(2.0 - 0.9 * math.log(6.5)), rel_tol=1e-12)
+    assert "covered the tuned lr for 19 of 20 masks" in found.line()
+    assert suggest_lr("rl", masks, g, advice) is None  # no record of that kind
+    assert suggest_lr("sft", {"a": torch.zeros(2, 2, dtype=torch.bool)}, g, advice) is None  # no gradient: none
+
+
+def test_the_shipped_advice_is_the_one_built_from_the_committed_results():
+    from scripts.readme_outcomes import advice_text
+
+    shipped = (ROOT / "fisher_select" / "outputs" / "lr_advice.json").read_text(encoding="utf-8")
+    assert shipped == advice_text(ROOT / "bench" / "results")
+    assert isinstance(json.loads(shipped), dict)
