@@ -1,6 +1,6 @@
 """Rewrite the README's outcomes block (between <!-- outcomes:begin --> and <!-- outcomes:end -->) from the
 protocol 2 records in bench/results (fisher_select.report.readme_outcomes), and the lr advice that `select`
-and `lora` print (fisher_select/outputs/lr_advice.json, fisher_select.outputs.lr_advice) from the same records.
+and `lora` print (fisher_select/report/study_advice.json, fisher_select.report.study_advice) from the same records.
 
     python scripts/readme_outcomes.py README.md                # rewrite the block
     python scripts/readme_outcomes.py README.md --check        # exit 1 if the block is stale
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("readme", nargs="?", help="the file holding the markers (README.md)")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"), help="the folder of outcomes-<kind>.json")
-    p.add_argument("--advice", default=str(ROOT / "fisher_select" / "outputs" / "lr_advice.json"),
+    p.add_argument("--advice", default=str(ROOT / "fisher_select" / "report" / "study_advice.json"),
                    help="the lr advice file written beside the block")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the block or the advice is stale")
     p.add_argument("--print", action="store_true", help="print the block and exit")
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
 def advice_text(results) -> str:
     """The lr advice file's text from the protocol 2 records under ``results``."""
-    from fisher_select.outputs.lr_advice import advice_from_records
+    from fisher_select.report.study_advice import advice_from_records
 
     records = {r.kind: r for r in protocol2_records(results)}
     return json.dumps(advice_from_records(records), indent=1, sort_keys=True) + "\n"

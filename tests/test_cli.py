@@ -80,7 +80,7 @@ def test_select_and_lora_print_the_studys_lr_advice_for_the_runs_kind(demo_run, 
 
     from safetensors.torch import save_file
 
-    from fisher_select.outputs import lr_advice
+    from fisher_select.report import study_advice
 
     run = tmp_path / "run"
     shutil.copytree(demo_run, run)
@@ -88,14 +88,14 @@ def test_select_and_lora_print_the_studys_lr_advice_for_the_runs_kind(demo_run, 
             for n, g in load_file(str(run / "grad_estimate.safetensors")).items()}
     save_file(grad, str(run / "grad_estimate.safetensors"))
     kind = load_run(run).objectives[0].type
-    monkeypatch.setattr(lr_advice, "ADVICE_FILE", tmp_path / "none.json")
+    monkeypatch.setattr(study_advice, "ADVICE_FILE", tmp_path / "none.json")
     out = tmp_path / "m.safetensors"
     assert main(["select", str(run), "--top", "0.001", "--out", str(out)]) == 0
     assert f"no suggested lr: the outcome study has no {kind} result yet" in capsys.readouterr().out
     fit = {"intercept": 2.0, "slope": -0.9, "r": -0.9, "n": 20, "loo_error_factor": 2.5, "covered": 19}
     (tmp_path / "advice.json").write_text(json.dumps({kind: {"model": "m", "steps": 8, "optimizer": "adamw",
                                                              "source": "s", "mask": fit, "lora_all_linear_r1": 0.01}}))
-    monkeypatch.setattr(lr_advice, "ADVICE_FILE", tmp_path / "advice.json")
+    monkeypatch.setattr(study_advice, "ADVICE_FILE", tmp_path / "advice.json")
     assert main(["select", str(run), "--top", "0.001", "--out", str(out), "--overwrite"]) == 0
     printed = capsys.readouterr().out
     masks = load_file(str(out))

@@ -498,11 +498,11 @@ def test_the_readme_rewriter_replaces_only_the_marked_block(tmp_path):
     assert rewrite_block(readme, "new table") is True
     assert readme.read_text() == f"# title\n\nbefore\n{BEGIN}\nnew table\n{END}\nafter\n"
     assert rewrite_block(readme, "new table") is False  # unchanged: nothing written
-    advice = ["--advice", str(tmp_path / "lr_advice.json")]
+    advice = ["--advice", str(tmp_path / "study_advice.json")]
     assert readme_main([str(readme), "--results", str(tmp_path), "--check", *advice]) == 1  # stale against no result
     assert readme_main([str(readme), "--results", str(tmp_path), *advice]) == 0
     assert "No protocol-2 result exists yet" in readme.read_text() and readme.read_text().endswith(f"{END}\nafter\n")
-    assert json.loads((tmp_path / "lr_advice.json").read_text()) == {}  # no record, no advice
+    assert json.loads((tmp_path / "study_advice.json").read_text()) == {}  # no record, no advice
     assert readme_main([str(readme), "--results", str(tmp_path), "--check", *advice]) == 0
     readme.write_text("no markers here\n")
     with pytest.raises(FisherSelectError, match="must hold the markers .* once each"):

@@ -345,7 +345,7 @@ def test_report_json_markdown_and_summary(tiny_runs):
     assert md.index("do not promise") < md.index("## Objectives") and "sum of sqrt(F)" in md
     report = load_run(tiny_runs[0]).report
     short, full = summary_lines(report), summary_lines(report, top=None)
-    assert short[3].startswith("Caveat:")  # right after the three verdict lines
+    assert short[3].startswith("Outcome study") and short[4].startswith("Caveat:")  # right after the verdict
     assert "--all" in "\n".join(short)
     assert len(full) - len(short) == len(report.modules) - 15
 
@@ -436,10 +436,13 @@ def test_every_plot_labels_both_axes(tiny_runs, monkeypatch):
 
 
 def test_verdict_comes_first_and_names_modules_certainty_and_advice(tiny_runs):
+    from fisher_select.report.study_advice import finding_line
+
     run = load_run(tiny_runs[0])
     lines = summary_lines(run.report)
     assert lines[0].startswith("What to train:") and lines[1].startswith("How sure:")
     assert lines[2].startswith("What to change:")
+    assert lines[3] == finding_line(run.report.objectives[0].type)  # the outcome study's verdicts for this kind
     top = sorted(run.report.modules, key=lambda m: (-m.bound_mass, m.name))[0]
     assert top.name in lines[0] and "S = " in lines[1] and "split halves" in lines[1]
     md = (tiny_runs[0] / "report.md").read_text()

@@ -88,7 +88,7 @@ def write_lora(run, kwargs: dict, out: Path, overwrite: bool) -> int:
 
 def lora_lr_line(run) -> str:
     """What the outcome study measured about LoRA's lr for the run's kind, or that it measured nothing."""
-    from fisher_select.outputs.lr_advice import lora_line
+    from fisher_select.report.study_advice import lora_line
     from fisher_select.run.load import load_run
 
     kind = load_run(run).objectives[0].type

@@ -74,9 +74,9 @@ def run_select(args: argparse.Namespace) -> int:
 
 
 def lr_line(run_dir, masks: dict, objective: str | None) -> str:
-    """The suggested lr for the mask (``outputs.lr_advice``), or why there is none."""
+    """The suggested lr for the mask (``report.study_advice``), or why there is none."""
     from fisher_select.errors import FisherSelectError
-    from fisher_select.outputs.lr_advice import advice_line
+    from fisher_select.report.study_advice import advice_line
     from fisher_select.run.load import load_run
 
     run = load_run(run_dir)

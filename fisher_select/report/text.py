@@ -9,6 +9,7 @@ import math
 
 from fisher_select.caveats import CAVEAT_LINE, CAVEATS
 from fisher_select.report.statistics import ReportStatistics, ScaleUncertainty
+from fisher_select.report.study_advice import finding_line
 from fisher_select.run.schema import ModuleEntry, RunReport
 
 HEAVY_WEIGHT_SHARE = 0.5  # SFT: one sample carries more than half a prompt's importance weight
@@ -183,7 +184,8 @@ def timing_lines(report: RunReport) -> list[str]:
 def verdict_lines(report: RunReport) -> list[str]:
     """The answer first: what to train, how sure that is, and what to change if it is weak."""
     stats = ReportStatistics.from_json(report.statistics)
-    return [_what_to_train(report), _how_sure(report, stats), _what_to_change(report, stats)]
+    found = [finding_line(report.objectives[0].type)] if report.objectives else []  # what the study measured
+    return [_what_to_train(report), _how_sure(report, stats), _what_to_change(report, stats), *found]
 
 
 def _what_to_train(report: RunReport) -> str:

@@ -1,13 +1,17 @@
-"""A starting lr for training a selection under AdamW, from the outcome study's measurements.
+"""What the outcome study advises, shipped with the package: the rule's verdicts and a starting lr.
 
-The study (docs/OUTCOMES.md) chose each mask's lr on validation. The chosen lr falls as the sum of
-|g_hat_i| over the mask grows: under Adam every selected coordinate moves by about lr per step, so a
-step's first-order progress is about lr * sum |g_i|. ``lr_advice.json``, beside this file, holds that
-fit for each kind where the study supports it. ``scripts/readme_outcomes.py`` writes the file from the
-study's records (``advice_from_records``), and a test keeps it equal to them. ``suggest_lr`` applies
-the fit to a mask, and ``lora_line`` gives the study's tuned lr for all-linear LoRA at rank 1.
+**Verdicts.** ``study_advice.json``, beside this file, keeps per kind the study's verdict at each budget:
+the bound against the best peer, on gain and on forgetting, and whether the task discriminates.
+``finding_line`` puts them in one sentence, which the run's report shows for a run of that kind.
 
-This is a suggestion, not a promise. It was fitted on one model and task per kind. The printed line
+**Learning rate.** The study (docs/OUTCOMES.md) chose each mask's lr on validation. The chosen lr
+falls as the sum of |g_hat_i| over the mask grows: under Adam every selected coordinate moves by about
+lr per step, so a step's first-order progress is about lr * sum |g_i|. The file holds that fit for
+each kind where the study supports it. ``suggest_lr`` applies the fit to a mask, and ``lora_line``
+gives the study's tuned lr for all-linear LoRA at rank 1.
+
+``scripts/readme_outcomes.py`` writes the file from the study's records (``advice_from_records``),
+and a test keeps it equal to them. The lr is a suggestion, not a promise. It was fitted on one model and task per kind. The printed line
 gives how often a sweep of three points around it covered the tuned lr.
 """
 
@@ -18,7 +22,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-ADVICE_FILE = Path(__file__).with_name("lr_advice.json")
+ADVICE_FILE = Path(__file__).with_name("study_advice.json")
 ONE_STEP = math.sqrt(10)  # the study's grids are sqrt(10) apart; a fit off by more is not shipped
 LORA_ARM = "lora_all_linear_r1"
 
@@ -36,9 +40,38 @@ def advice_from_records(records: dict) -> dict:
             mask = {k: fit[k] for k in ("intercept", "slope", "r", "n", "loo_error_factor")}
             mask["covered"] = versus.get("same_point", 0) + versus.get("one_step_off", 0)  # of n masks
         out[kind] = {"model": rec.settings.get("model"), "steps": rec.settings.get("steps"),
-                     "optimizer": rec.settings.get("optimizer"), "source": f"bench/results/outcomes-{kind}.json",
-                     "mask": mask, "lora_all_linear_r1": None if not lora or lora["on_edge"] else lora["chosen"]}
+                     "optimizer": rec.settings.get("optimizer"), "replicates": rec.settings.get("replicates"),
+                     "source": f"bench/results/outcomes-{kind}.json",
+                     "mask": mask, "lora_all_linear_r1": None if not lora or lora["on_edge"] else lora["chosen"],
+                     "discriminates": rec.discriminates.get("discriminates"),
+                     "random_content_recovered": rec.discriminates.get("random_content_recovered"),
+                     "verdicts": {b: _verdict(v) for b, v in rec.verdicts.items()}}
     return out
+
+
+def _verdict(v: dict) -> dict:
+    kl = v.get("forgetting_kl") or {}
+    return {"peer": v["best_peer"], "gain": v["verdict"], "gain_difference": v["mean_difference"],
+            "forgetting": kl.get("verdict"), "forgetting_difference": kl.get("mean_difference")}
+
+
+def finding_line(kind: str, advice: dict | None = None) -> str:
+    """The study's verdicts for ``kind`` in one sentence, or that it has none."""
+    entry = (load_advice() if advice is None else advice).get(kind)
+    if not entry or not entry.get("verdicts"):
+        return (f"Outcome study: no {kind} result yet (docs/OUTCOMES.md), so nothing measured says whether the "
+                "bound's mask beats a random one for this kind.")
+    parts = []
+    for budget, v in sorted(entry["verdicts"].items(), key=lambda kv: float(kv[0])):
+        forgets = "" if v["forgetting"] is None else f", forgets {v['forgetting']}"
+        parts.append(f"at {float(budget):.3%} it {v['gain']} against {v['peer']} on gain ({v['gain_difference']:+.3f})"
+                     f"{forgets}")
+    task = ("the task discriminates" if entry["discriminates"] else
+            f"the task does not discriminate (random at 0.01% recovers {entry['random_content_recovered']:.2f} of the "
+            "content gain)") if entry.get("discriminates") is not None else "whether the task discriminates is unknown"
+    return (f"Outcome study ({kind}, {entry['model']}, {entry['replicates']} replicates, {entry['steps']} AdamW steps; "
+            f"{entry['source']}): the bound's mask, against the best other mask rule, " + "; ".join(parts)
+            + f". {task[0].upper()}{task[1:]}.")
 
 
 def load_advice(path: Path | None = None) -> dict:

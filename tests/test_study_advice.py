@@ -9,17 +9,19 @@ from types import SimpleNamespace
 
 import torch
 
-from fisher_select.outputs.lr_advice import ONE_STEP, advice_from_records, lora_line, no_advice_line, suggest_lr
+from fisher_select.report.study_advice import (ONE_STEP, advice_from_records, finding_line, lora_line, no_advice_line,
+                                               suggest_lr)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _record(loo: float, lora_edge: bool = False):
+def _record(loo: float, lora_edge: bool = False):  # what advice_from_records reads of an OutcomesRecord
     fit = {"n": 20, "slope": -0.9, "intercept": 2.0, "r": -0.92, "loo_error_factor": loo,
            "suggested_vs_tuned": {"n": 20, "same_point": 4, "one_step_off": 15}}
     return SimpleNamespace(lr_advice={"abs_g_hat": fit, "sqrt_fs": {"slope": None}},
                            lr_choices={"lora_all_linear_r1": {"chosen": 0.01, "on_edge": lora_edge}},
-                           settings={"model": "smollm2-135m-instruct", "steps": 8, "optimizer": "adamw"})
+                           settings={"model": "smollm2-135m-instruct", "steps": 8, "optimizer": "adamw"},
+                           discriminates={}, verdicts={})
 
 
 def test_a_fit_is_shipped_only_under_one_grid_step_and_a_lora_lr_only_off_its_edge():
@@ -48,6 +50,21 @@ def test_the_suggestion_is_the_fit_at_the_masks_sum_of_abs_g_hat():
 def test_the_shipped_advice_is_the_one_built_from_the_committed_results():
     from scripts.readme_outcomes import advice_text
 
-    shipped = (ROOT / "fisher_select" / "outputs" / "lr_advice.json").read_text(encoding="utf-8")
+    shipped = (ROOT / "fisher_select" / "report" / "study_advice.json").read_text(encoding="utf-8")
     assert shipped == advice_text(ROOT / "bench" / "results")
     assert isinstance(json.loads(shipped), dict)
+
+
+def test_the_finding_line_states_each_budgets_verdict_on_gain_and_forgetting():
+    rec = _record(2.5)
+    rec.settings["replicates"] = 6
+    rec.discriminates = {"discriminates": False, "random_content_recovered": 0.957}
+    rec.verdicts = {"0.0001": {"best_peer": "random", "verdict": "ties", "mean_difference": -0.007,
+                               "forgetting_kl": {"verdict": "less", "mean_difference": -11.7}},
+                    "1e-05": {"best_peer": "random_tensor_counts", "verdict": "loses", "mean_difference": -0.037}}
+    line = finding_line("sft", advice_from_records({"sft": rec}))
+    assert line.startswith("Outcome study (sft, smollm2-135m-instruct, 6 replicates, 8 AdamW steps;")
+    assert ("at 0.001% it loses against random_tensor_counts on gain (-0.037); at 0.010% it ties against random on "
+            "gain (-0.007), forgets less") in line  # budgets in order; no forgetting verdict, none said
+    assert "does not discriminate (random at 0.01% recovers 0.96 of the content gain)" in line
+    assert "no rl result yet" in finding_line("rl", advice_from_records({"sft": rec}))
