@@ -479,6 +479,11 @@ def _check_the_product_shows_it(tmp_path, record, load):
     row = next(line for line in kind_table(record) if line.startswith("| bound |"))
     assert row.startswith(f"| bound | {sum(shares) / len(shares):.2f} [")  # the mean over replicates
     assert f"**{verdict['verdict']}** vs {verdict['best_peer']}" in block and "No protocol-2 result" not in block
+    assert "**No result yet for RL or distillation.**" in block  # the core's kinds without a record are named
+    (results / "outcomes-rl.json").write_text(json.dumps({**record.as_dict(), "kind": "rl"}))
+    assert "**No result yet for distillation.**" in readme_block(results)
+    (results / "outcomes-opd-pg.json").write_text(json.dumps({**record.as_dict(), "kind": "opd-pg"}))
+    assert "No result yet" not in readme_block(results)
 
 
 def test_the_readme_block_says_plainly_when_no_protocol_2_result_exists(tmp_path):

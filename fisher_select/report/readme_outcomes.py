@@ -109,7 +109,18 @@ def readme_block(results) -> str:
              "`bench/results/outcomes-<kind>.json` by `scripts/readme_outcomes.py`."]
     for record in records:
         lines += ["", *kind_table(record)]
+    missing = _missing_kinds({r.kind for r in records})
+    if missing:
+        lines += ["", f"**No result yet for {' or '.join(missing)}.** The study's cells for "
+                      f"{'them' if len(missing) > 1 else 'it'} are under way (docs/OUTCOMES.md), and nothing above "
+                      f"speaks for {'those objectives' if len(missing) > 1 else 'that objective'}."]
     return "\n".join(lines)
+
+
+def _missing_kinds(kinds: set[str]) -> list[str]:
+    """The core's objectives with no record: RL, and distillation (any ``opd-*`` kind)."""
+    return [name for name, found in (("RL", "rl" in kinds), ("distillation", any(k.startswith("opd") for k in kinds)))
+            if not found]
 
 
 def rewrite_block(path, block: str) -> bool:
