@@ -287,6 +287,15 @@ def test_verdicts_pair_the_bound_with_the_best_peer_on_gain_and_on_forgetting():
     per[arm_name("random", 1e-4)] = reps([0.95, 0.97, 0.96], [0.2, 0.5, 0.35])  # differences straddle 0
     tables = {m: _paired_table(per, [1e-4], m, 2000) for m in ("recovered", "forgetting_kl")}
     assert _verdicts(per, [1e-4], tables)["0.0001"]["forgetting_kl"]["verdict"] == "the same"
+    # an interval that excludes 0 is not enough when the paired t-test does not agree (p >= 0.05)
+    bound, random = [0.901, 0.93, 0.902, 0.96, 0.901, 0.902], [0.90] * 6  # every difference > 0, one large
+    per[arm_name("random", 1e-4)] = reps(random, [0.3] * 6)
+    per[arm_name("bound", 1e-4)] = reps(bound, [0.3] * 6)
+    tables = {m: _paired_table(per, [1e-4], m, 2000) for m in ("recovered", "forgetting_kl")}
+    v = _verdicts(per, [1e-4], tables)["0.0001"]
+    stats = tables["recovered"]["bound@0.0001 vs random@0.0001"]
+    assert stats["interval"][0] > 0 and stats["t_p"] == pytest.approx(sps.ttest_rel(bound, random).pvalue)
+    assert stats["t_p"] >= 0.05 and v["verdict"] == "ties"
 
 
 def test_the_discriminating_verdict_states_the_measured_share_beside_the_rule():
@@ -414,7 +423,9 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert verdict["best_peer"] in ("random", "random_tensor_counts", "magnitude") and verdict["n"] == 2
     assert record.arms["start"]["replicates"][0]["forgetting_kl"] == pytest.approx(0, abs=1e-5)  # its own responses
     lo, hi = verdict["interval"]
-    assert verdict["verdict"] == ("wins" if lo > 0 else "loses" if hi < 0 else "ties")
+    pair = record.paired["recovered"][f"bound@0.05 vs {verdict['best_peer']}@0.05"]
+    decisive = pair["t_p"] is None or pair["t_p"] < 0.05
+    assert verdict["verdict"] == ("wins" if lo > 0 and decisive else "loses" if hi < 0 and decisive else "ties")
     kl = record.paired["forgetting_kl"][f"bound@0.05 vs {verdict['best_peer']}@0.05"]
     assert verdict["forgetting_kl"]["mean_difference"] == kl["mean_difference"]  # against the same peer
     assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None

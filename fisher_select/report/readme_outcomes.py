@@ -104,8 +104,8 @@ def readme_block(results) -> str:
     lines = ["Share of full fine-tuning's held-out gain each arm recovers (mean over replicates [95% bootstrap "
              "interval]; KL: forgetting, per token, on the starting model's own responses to general prompts; "
              "`*`: lr still on its grid's edge). Verdict: the paired difference of the bound's share against the best "
-             "peer's, wins or loses when its 95% interval excludes 0, else ties; and its KL forgetting against that "
-             "peer's, less or more when the interval excludes 0. Generated from "
+             "peer's, wins or loses when its 95% bootstrap interval excludes 0 and the paired t-test gives p < 0.05, "
+             "else ties; and its KL forgetting against that peer's, less or more by the same rule. Generated from "
              "`bench/results/outcomes-<kind>.json` by `scripts/readme_outcomes.py`."]
     for record in records:
         lines += ["", *kind_table(record)]

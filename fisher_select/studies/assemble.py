@@ -235,9 +235,9 @@ def keep_record_in_run(record, run_dir) -> Path:
 
 def _verdicts(per: dict, budgets: list, tables: dict) -> dict:
     """Per budget: the bound against the peer mask with the best mean recovered share, in one word:
-    wins / loses when the 95% interval of the paired difference excludes 0, else ties; and against the
-    same peer on forgetting (KL on general responses): forgets less / more when the interval excludes 0,
-    else the same (``tables``: the paired tables by measure, ``_paired_table``)."""
+    wins / loses when the paired difference is decisive (``_word``), else ties; and against the same peer
+    on forgetting (KL on general responses): forgets less / more when decisive, else the same
+    (``tables``: the paired tables by measure, ``_paired_table``)."""
     out = {}
     for b in budgets:
         peers = {arm: _summary(per.get(arm_name(arm, b), {})).get("recovered") for arm in BUDGETED_ARMS[1:]}
@@ -249,18 +249,26 @@ def _verdicts(per: dict, budgets: list, tables: dict) -> dict:
         stats = tables["recovered"].get(pair)
         if stats is None or stats["interval"] is None:
             continue
-        out[f"{b:g}"] = {"best_peer": best_peer, "verdict": _word(stats["interval"], "wins", "loses", "ties"),
+        out[f"{b:g}"] = {"best_peer": best_peer, "verdict": _word(stats, "wins", "loses", "ties"),
                          **{k: stats[k] for k in ("mean_difference", "interval", "n")}}
         kl = tables.get("forgetting_kl", {}).get(pair)
         if kl is not None and kl["interval"] is not None:  # lower forgetting is better: "less" when below 0
-            out[f"{b:g}"]["forgetting_kl"] = {"verdict": _word(kl["interval"], "more", "less", "the same"),
+            out[f"{b:g}"]["forgetting_kl"] = {"verdict": _word(kl, "more", "less", "the same"),
                                               **{k: kl[k] for k in ("mean_difference", "interval", "n")}}
     return out
 
 
-def _word(interval, above: str, below: str, between: str) -> str:
-    """``above`` when a 95% interval lies above 0, ``below`` when below, else ``between``."""
-    lo, hi = interval
+VERDICT_P = 0.05  # a verdict also needs the paired t-test: with 6 replicates a percentile bootstrap is too narrow
+
+
+def _word(stats: dict, above: str, below: str, between: str) -> str:
+    """``above`` when the paired difference's 95% interval lies above 0 and the paired t-test gives p < 0.05,
+    ``below`` likewise below 0, else ``between``. Differences that are all equal have no t-test (p None):
+    the interval alone decides."""
+    lo, hi = stats["interval"]
+    p = stats.get("t_p")
+    if p is not None and p >= VERDICT_P:
+        return between
     return above if lo > 0 else below if hi < 0 else between
 
 
