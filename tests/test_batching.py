@@ -67,12 +67,21 @@ def test_the_auto_budget_follows_the_layer_widths():
     assert auto_max_tokens(model) == DEFAULT_ACTIVATION_BYTES // bytes_per_token(model)
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to fp32 accumulation in another order: the accumulators are fp32 by design, so an entry near 0
+    (cancellation) may differ by a few fp32 ulps of the tensor's largest entry; a lost or doubled micro-batch
+    moves entries by the size of a whole term, far above this."""
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
 TINY = [PromptRecord(i, p, None, {}) for i, p in enumerate(["2 3", "4 2 0", "3 3", "0 4 4", "2 2", "3 0"])]
 
 
 def _calibrate(**kw):
-    model = enumeration_model()
-    teacher = Teacher(enumeration_model(seed=1), name="teacher")
+    # float64 models: each sample's terms are exact, so only the fp32 accumulators' order differs (fp32 models
+    # differed by 5e-5 relative in the score mean on an Intel Xeon, from cancellation inside each term)
+    model = enumeration_model().double()
+    teacher = Teacher(enumeration_model(seed=1).double(), name="teacher")
     objectives = [RLObjective(lambda r, t: float(len(t.split()) % 2)), OPDFullObjective(teacher, sign_draws=2)]
     return calibrate(model, TinyTokenizer(5), TINY, objectives, samples_per_prompt=3, max_new_tokens=3, seed=7,
                      batch_size=6, progress=False, **kw)
@@ -85,11 +94,11 @@ def test_a_small_budget_calibrates_like_a_huge_one(stability):
     assert small.samples == huge.samples  # the same responses: the budget never touches the random streams
     assert [o.signal_scale for o in small.objectives] == [o.signal_scale for o in huge.objectives]
     for name in huge.fisher:
-        assert torch.allclose(small.fisher[name], huge.fisher[name], rtol=1e-5, atol=1e-7)
-        assert torch.allclose(small.score_mean[name], huge.score_mean[name], rtol=1e-5, atol=1e-7)
-        assert torch.allclose(small.token_fisher[name], huge.token_fisher[name], rtol=1e-5, atol=1e-7)
+        assert _close(small.fisher[name], huge.fisher[name])
+        assert _close(small.score_mean[name], huge.score_mean[name])
+        assert _close(small.token_fisher[name], huge.token_fisher[name])
         for a, b in zip(small.objectives, huge.objectives):
-            assert torch.allclose(a.grad_estimate[name], b.grad_estimate[name], rtol=1e-5, atol=1e-7)
+            assert _close(a.grad_estimate[name], b.grad_estimate[name])
 
 
 def test_the_autograd_check_runs_in_micro_batches_too():
