@@ -11,6 +11,7 @@ import torch
 
 from fisher_select.report.study_advice import (ONE_STEP, advice_from_records, finding_line, lora_line, no_advice_line,
                                                suggest_lr)
+from fisher_select.studies.arms import mask_sums
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,8 @@ def test_the_suggestion_is_the_fit_at_the_masks_sum_of_abs_g_hat():
     masks = {"a": torch.tensor([[True, True], [False, False]]), "b": torch.tensor([False, True])}
     found = suggest_lr("sft", masks, g, advice)
     assert found.sum_abs_g_hat == 0.5 + 2.0 + 4.0
+    fisher = {n: t.abs() for n, t in g.items()}
+    assert found.sum_abs_g_hat == mask_sums(masks, fisher, g, None)["abs_g_hat"]  # the study's measure, the same
     assert math.isclose(found.lr, math.exp(2.0 - 0.9 * math.log(6.5)), rel_tol=1e-12)
     assert "covered the tuned lr for 19 of 20 masks" in found.line()
     assert suggest_lr("rl", masks, g, advice) is None  # no record of that kind

@@ -73,9 +73,11 @@ def main(args: argparse.Namespace) -> int:
 
 def write_lora(run, kwargs: dict, out: Path, overwrite: bool) -> int:
     from fisher_select.outputs.lora import check_lora_out, lora_export
+    from fisher_select.run.load import load_run
     from fisher_select.run.names import LORA_PROVENANCE_FILE
 
     check_lora_out(out, overwrite)  # before the selection, not after it
+    run = load_run(run)  # once: the export and the lr line both read it
     export = lora_export(run, **kwargs)
     path = export.hints.save_pretrained(out, overwrite=overwrite)
     print_targets(export)
@@ -87,11 +89,10 @@ def write_lora(run, kwargs: dict, out: Path, overwrite: bool) -> int:
 
 
 def lora_lr_line(run) -> str:
-    """What the outcome study measured about LoRA's lr for the run's kind, or that it measured nothing."""
+    """What the outcome study measured about LoRA's lr for the loaded ``run``'s kind, or that it measured nothing."""
     from fisher_select.report.study_advice import lora_line
-    from fisher_select.run.load import load_run
 
-    kind = load_run(run).objectives[0].type
+    kind = run.objectives[0].type
     return lora_line(kind) or f"no measured LoRA lr for {kind} in the outcome study (docs/OUTCOMES.md); sweep the lr"
 
 

@@ -48,12 +48,14 @@ def register(subparsers) -> None:
 def run_select(args: argparse.Namespace) -> int:
     from fisher_select.atomic import refuse_existing
     from fisher_select.outputs.masks import save_masks, select_masks
+    from fisher_select.run.load import load_run
     from fisher_select.run.names import sidecar_path
 
     out = Path(args.out)
     refuse_existing([out, sidecar_path(out)], args.overwrite)  # before the (possibly long) selection
+    run = load_run(args.run)  # once: the selection and the lr line both read it
     maskset = select_masks(
-        args.run,
+        run,
         top=args.top,
         fisher_mass=args.fisher_mass,
         bound_mass=args.bound_mass,
@@ -68,18 +70,16 @@ def run_select(args: argparse.Namespace) -> int:
     for warning in maskset.meta["warnings"]:
         print(f"warning: {warning}")
     print(f"wrote {path} and {sidecar_path(path).name}")
-    print(lr_line(args.run, maskset.masks, args.objective))
+    print(lr_line(run, maskset.masks, args.objective))
     print(MASK_CAVEAT)
     return 0
 
 
-def lr_line(run_dir, masks: dict, objective: str | None) -> str:
-    """The suggested lr for the mask (``report.study_advice``), or why there is none."""
+def lr_line(run, masks: dict, objective: str | None) -> str:
+    """The suggested lr for the mask (``report.study_advice``) on the loaded ``run``, or why there is none."""
     from fisher_select.errors import FisherSelectError
     from fisher_select.report.study_advice import advice_line
-    from fisher_select.run.load import load_run
 
-    run = load_run(run_dir)
     kind = run.objective(objective).type
     try:
         grad = run.grad_estimate_of(objective)

@@ -107,7 +107,9 @@ def suggest_lr(kind: str, masks: dict, grad_estimate: dict, advice: dict | None 
     fit = entry.get("mask")
     if fit is None:
         return None
-    total = sum(float(grad_estimate[n][m].double().abs().sum()) for n, m in masks.items() if n in grad_estimate)
+    from fisher_select.stats.ranking import masked_abs_sum  # here: the module itself loads without torch
+
+    total = masked_abs_sum(grad_estimate, masks)  # the measure the fit was made on (studies/arms.mask_sums)
     if not total > 0:
         return None
     lr = math.exp(fit["intercept"] + fit["slope"] * math.log(total))

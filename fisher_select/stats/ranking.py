@@ -20,6 +20,12 @@ import torch
 from fisher_select.errors import FisherSelectError
 
 
+def masked_abs_sum(values: dict, masks: dict) -> float:
+    """The fp64 sum of |values[n]| over ``masks[n]`` (name -> bool tensor); a name without values adds 0.
+    The lr advice's measure of a mask: the sum of |g_hat_i| over it, or of sqrt(F_i)."""
+    return sum(float(values[n][m].double().abs().sum()) for n, m in masks.items() if n in values)
+
+
 def nonnegative(values: torch.Tensor) -> torch.Tensor:
     """``values`` clamped at +0.0 (a copy only when needed), as ``Run.bound`` clamps F.
 

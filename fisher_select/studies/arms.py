@@ -14,7 +14,7 @@ import math
 import torch
 
 from fisher_select.errors import FisherSelectError
-from fisher_select.stats.ranking import global_top_masks
+from fisher_select.stats.ranking import global_top_masks, masked_abs_sum
 
 MASK_ARMS = ("bound", "grad_estimate", "first_batch_grad", "random", "random_tensor_counts", "magnitude")
 BUDGETED_ARMS = MASK_ARMS + ("lora_config",)  # run at every budget (lora_config: the nearest trainable count)
@@ -74,11 +74,11 @@ def mask_sums(masks: dict[str, torch.Tensor], fisher: dict, grad_estimate: dict 
               scale: float | None) -> dict:
     """Over the mask: the sum of |g_hat_i| and of sqrt(F_i S) (fp64), the first-order progress the lr
     advice is tested on (None where the run has no gradient estimate or no signal scale)."""
-    bound = sum(float(fisher[n][m].double().sqrt().sum()) for n, m in masks.items())
+    bound = sum(float(fisher[n][m].double().sqrt().sum()) for n, m in masks.items())  # F >= 0: no abs
     out = {"abs_g_hat": None, "sqrt_fs": None if scale is None else bound * math.sqrt(scale),
            "sqrt_f": bound, "count": sum(int(m.sum()) for m in masks.values())}
     if grad_estimate is not None:
-        out["abs_g_hat"] = sum(float(grad_estimate[n][m].double().abs().sum()) for n, m in masks.items())
+        out["abs_g_hat"] = masked_abs_sum(grad_estimate, masks)
     return out
 
 
