@@ -29,7 +29,7 @@ from fisher_select.studies.cells import CellCache, CellKey, Clock, read_cells
 from fisher_select.studies.grid import STEP, choose_lr, lr_grid
 from fisher_select.studies.paired import paired, trained
 from fisher_select.studies.protocol import ProtocolV2, draw
-from fisher_select.studies.outcome_plots import gain_vs_forgetting
+from fisher_select.studies.outcome_plots import gain_vs_forgetting, panels
 from fisher_select.studies.study import run_study
 from fisher_select.report.outcome_tables import record_markdown
 from fisher_select.studies.loop import TrainConfig, make_task, train
@@ -431,6 +431,12 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None
     table = "\n".join(record_markdown(record))
     assert "| bound@0.05 |" in table and "bound@0.05 vs random@0.05" in table and "- trained:" in table
+    by_budget, references = panels(record)  # the figure: each budget's arms in its panel, full in every one
+    assert list(by_budget) == [0.05] and [p[0] for p in references] == ["full"]
+    assert sorted(p[0] for p in by_budget[0.05]) == ["bound", "magnitude", "random", "random_tensor_counts"]
+    bound = next(p for p in by_budget[0.05] if p[0] == "bound")
+    assert bound[1] == record.arms["bound@0.05"]["recovered"]["mean"]
+    assert bound[3] == record.arms["bound@0.05"]["forgetting"]["mean"]
     gain_vs_forgetting(tmp_path / "gain.png", record)
     assert (tmp_path / "gain.png").stat().st_size > 0
     _check_the_product_shows_it(tmp_path, record, load)
