@@ -86,6 +86,8 @@ def parse(argv=None) -> argparse.Namespace:
     v2.add_argument("--assemble", action="store_true", help="build the record and tables from the cells alone")
     v2.add_argument("--keep-in", metavar="RUN", help="with --assemble: keep the record in RUN/outcomes-<kind>/ "
                                                       "and redraw RUN's report (it shows the study's tables)")
+    v2.add_argument("--costs", action="store_true", help="print what the finished cells cost per stage (seconds), "
+                    "train nothing")
     v2.add_argument("--plan", action="store_true", help="print the protocol and its minimum cell count, train nothing")
     v2.add_argument("--budget-minutes", type=float, help="stop before a cell would overrun this many minutes")
     v2.add_argument("--replicates", type=int, default=6)
@@ -231,6 +233,11 @@ def main_v2(args) -> int:
 
     if not args.cells or not args.kind:
         raise FisherSelectError("--v2 needs --cells DIR and --kind")
+    if args.costs:
+        from fisher_select.studies.cells import cell_costs
+
+        print(json.dumps(cell_costs(args.cells), indent=1))
+        return 0
     if args.assemble:
         record = read_outcomes(assemble(args.cells, args.kind))
         if args.json:

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from fisher_select.studies import measures
 from fisher_select.studies.arms import arm_masks, mask_sums, random_with_counts
 from fisher_select.studies.assemble import assemble
 from fisher_select.studies.cell_run import Replicate
-from fisher_select.studies.cells import CellCache, CellKey, Clock, read_cells
+from fisher_select.studies.cells import CellCache, CellKey, Clock, cell_costs, read_cells
 from fisher_select.studies.grid import STEP, choose_lr, lr_grid
 from fisher_select.studies.paired import paired, trained
 from fisher_select.studies.protocol import ProtocolV2, draw
@@ -112,7 +113,8 @@ def test_the_time_budget_stops_before_a_cell_would_overrun(tmp_path):
     assert cache.run(key, lambda: {"validation": 1.0}, clock) is None and clock.stopped
     assert not (tmp_path / "cells").exists() or not list((tmp_path / "cells").iterdir())
     roomy = Clock(minutes=5, guess_s=1.0)
-    assert cache.run(key, lambda: {"validation": 1.0}, roomy) == {"validation": 1.0} and len(roomy.seen) == 1
+    done = cache.run(key, lambda: {"validation": 1.0}, roomy)
+    assert done == {"validation": 1.0, "cell_seconds": roomy.seen[0]} and len(roomy.seen) == 1
 
 
 # --- lr grids ------------------------------------------------------------------------------------------------
@@ -404,6 +406,13 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     more = dataclasses.replace(protocol, arms=protocol.arms + ("magnitude",))  # an arm added later
     added = run_study(more, tmp_path / "cells", load)
     assert added["finished"] and added["computed"] > 0 and added["skipped"] == first["computed"]  # nothing redone
+    cells = read_cells(tmp_path / "cells")
+    assert all(c["result"]["cell_seconds"] >= c["result"]["training_seconds"] for c in cells)  # it includes training
+    costs = cell_costs(tmp_path / "cells")
+    assert sum(e["cells"] for e in costs.values()) == len(cells) == first["computed"] + added["computed"]
+    pilot = sorted(c["result"]["cell_seconds"] for c in cells if c["key"]["stage"] == "pilot")
+    assert costs["pilot"]["cell_seconds"]["total"] == pytest.approx(sum(pilot))
+    assert costs["pilot"]["cell_seconds"]["median"] == pytest.approx(statistics.median(pilot))
     record = read_outcomes(assemble(tmp_path / "cells", resamples=200))
     assert record.protocol == OUTCOMES_PROTOCOL and record.kind == "sft"
     assert set(record.arms) == {"start", "bound@0.05", "random@0.05", "random_tensor_counts@0.05", "magnitude@0.05",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,8 +88,9 @@ class CellCache:
             return None
         started = time.monotonic()
         result = compute()
+        result["cell_seconds"] = time.monotonic() - started  # training and evaluation: what the cell cost
         if clock is not None:
-            clock.record(time.monotonic() - started)
+            clock.record(result["cell_seconds"])
         self.put(key, result)
         self.computed += 1
         return result
@@ -113,6 +115,24 @@ def _sound(cell: dict) -> bool:
         return cell.get("code") == STUDY_CODE_VERSION and cell["hash"] == cell_hash(key, cell["context"])
     except (KeyError, TypeError):
         return False
+
+
+def cell_costs(folder) -> dict[str, dict]:
+    """Per stage, what the finished cells under ``folder`` cost (``--costs``): the count, the median and
+    total training seconds, and the same for the whole cell where it was recorded (``cell_seconds``,
+    since study code 2.1's cells of 2026-12-05; older cells hold only their training time)."""
+    out = {}
+    for stage in STAGES:
+        cells = [c["result"] for c in read_cells(folder) if c["key"]["stage"] == stage]
+        if not cells:
+            continue
+        entry = {"cells": len(cells)}
+        for field in ("training_seconds", "cell_seconds"):
+            known = sorted(c[field] for c in cells if c.get(field) is not None)
+            if known:
+                entry[field] = {"n": len(known), "median": statistics.median(known), "total": sum(known)}
+        out[stage] = entry
+    return out
 
 
 class Clock:
