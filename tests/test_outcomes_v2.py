@@ -440,6 +440,9 @@ def test_a_tiny_study_runs_resumes_and_assembles(tmp_path):
     assert record.training_rows["signal_share"] == 1.0 and record.training_rows["finished_share"] is None
     table = "\n".join(record_markdown(record))
     assert "| bound@0.05 |" in table and "bound@0.05 vs random@0.05" in table and "- trained:" in table
+    row = next(line for line in table.splitlines() if line.startswith("| bound@0.05 |"))
+    gains = [m["gain"] for m in record.arms["bound@0.05"]["replicates"].values()]
+    assert row.endswith(f"| {sum(g < 0 for g in gains)} | {len(gains)} |")  # worse than start, replicates
     by_budget, references = panels(record)  # the figure: each budget's arms in its panel, full in every one
     assert list(by_budget) == [0.05] and [p[0] for p in references] == ["full"]
     assert sorted(p[0] for p in by_budget[0.05]) == ["bound", "magnitude", "random", "random_tensor_counts"]
@@ -924,3 +927,16 @@ def test_sft_evaluation_per_prompt_in_one_call_equals_one_prompt_at_a_time(tmp_p
     assert each == pytest.approx(alone, rel=1e-5) and len(set(each)) > 1
     everything = task.evaluate(records, 0, 4)  # the mean over the 7 demonstrations
     assert everything == pytest.approx((sum(each) + each[2]) / 7, rel=1e-5)
+
+
+def test_an_arm_that_fell_below_the_start_in_some_replicates_says_so():
+    """A mean over replicates hides a collapse at the tuned lr: the README cell and the arm table count them."""
+    from fisher_select.report.outcome_tables import worse_than_start
+    from fisher_select.report.readme_outcomes import _cell
+
+    arm = {"replicates": {0: {"recovered": 1.5, "gain": 0.09}, 1: {"recovered": -3.0, "gain": -0.2},
+                          2: {"recovered": 1.0, "gain": 0.06}}, "forgetting_kl": {"mean": 4.0}}
+    assert worse_than_start(arm) == (1, 3)
+    assert _cell(arm).endswith("; KL 4; worse than start in 1/3")
+    arm["replicates"][1]["gain"] = 0.01
+    assert worse_than_start(arm) == (0, 3) and "worse than start" not in _cell(arm)  # said only when it happened

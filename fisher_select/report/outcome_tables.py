@@ -12,18 +12,25 @@ def _ms(summary: dict | None, digits: int = 3) -> str:
     return f"{summary['mean']:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
 
 
+def worse_than_start(arm: dict) -> tuple[int, int]:
+    """(k, n): in k of the arm's n held-out replicates its mean outcome fell below the untrained model's on the same
+    prompts. A mean over replicates hides a run that collapsed at the tuned lr; this count shows it."""
+    gains = [m["gain"] for m in arm["replicates"].values() if m.get("gain") is not None]
+    return sum(g < 0 for g in gains), len(gains)
+
+
 def arm_table(record: OutcomesRecord) -> list[str]:
     """One row per arm: lr (``*``: still on its grid's edge), recovered share, content share, forgetting, accuracy."""
     lines = ["| arm | lr | recovered | content recovered | forgetting (general-text NLL/token) | "
-             "forgetting (KL/token on general responses) | greedy accuracy | replicates |",
-             "|---|---|---|---|---|---|---|---:|"]
+             "forgetting (KL/token on general responses) | greedy accuracy | worse than start | replicates |",
+             "|---|---|---|---|---|---|---|---:|---:|"]
     for name, arm in record.arms.items():
         if name == "start":
             continue
         lr = "-" if arm.get("lr") is None else f"{arm['lr']:.3g}" + (" *" if arm.get("lr_on_edge") else "")
         lines.append(f"| {name} | {lr} | {_ms(arm.get('recovered'))} | {_ms(arm.get('content_recovered'))} | "
                      f"{_ms(arm.get('forgetting'))} | {_ms(arm.get('forgetting_kl'))} | {_ms(arm.get('greedy_accuracy'))} | "
-                     f"{len(arm['replicates'])} |")
+                     f"{worse_than_start(arm)[0]} | {len(arm['replicates'])} |")
     return lines
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fisher_select.atomic import write_file
 from fisher_select.errors import FisherSelectError
+from fisher_select.report.outcome_tables import worse_than_start
 from fisher_select.run.outcomes import OutcomesRecord, read_outcomes
 from fisher_select.stats.bootstrap import bootstrap_interval
 
@@ -48,6 +49,8 @@ def _cell(arm: dict) -> str:
     text = f"{mean:.2f}" + ("" if lo_hi is None else f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]")
     kl = arm.get("forgetting_kl")
     text += "" if not kl else f"; KL {kl['mean']:.3g}"
+    worse, n = worse_than_start(arm)
+    text += f"; worse than start in {worse}/{n}" if worse else ""
     return text + (" *" if arm.get("lr_on_edge") else "")
 
 
@@ -103,7 +106,8 @@ def readme_block(results) -> str:
         return NO_RESULT
     lines = ["Share of full fine-tuning's held-out gain each arm recovers (mean over replicates [95% bootstrap "
              "interval]; KL: forgetting, per token, on the starting model's own responses to general prompts; "
-             "`*`: lr still on its grid's edge). Verdict: the paired difference of the bound's share against the best "
+             "`*`: lr still on its grid's edge; \"worse than start in k/n\": in k of n replicates the arm's held-out outcome "
+             "fell below the untrained model's). Verdict: the paired difference of the bound's share against the best "
              "peer's, wins or loses when its 95% bootstrap interval excludes 0 and the paired t-test gives p < 0.05, "
              "else ties; and its KL forgetting against that peer's, less or more by the same rule. Generated from "
              "`bench/results/outcomes-<kind>.json` by `scripts/readme_outcomes.py`."]
