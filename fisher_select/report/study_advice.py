@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from fisher_select.report.outcome_tables import worse_than_start
+
 ADVICE_FILE = Path(__file__).with_name("study_advice.json")
 ONE_STEP = math.sqrt(10)  # the study's grids are sqrt(10) apart; a fit off by more is not shipped
 LORA_ARM = "lora_all_linear_r1"
@@ -45,14 +47,17 @@ def advice_from_records(records: dict) -> dict:
                      "mask": mask, "lora_all_linear_r1": None if not lora or lora["on_edge"] else lora["chosen"],
                      "discriminates": rec.discriminates.get("discriminates"),
                      "random_content_recovered": rec.discriminates.get("random_content_recovered"),
-                     "verdicts": {b: _verdict(v) for b, v in rec.verdicts.items()}}
+                     "verdicts": {b: _verdict(v, getattr(rec, "arms", {}).get(f"bound@{b}")) for b, v in
+                                  rec.verdicts.items()}}
     return out
 
 
-def _verdict(v: dict) -> dict:
+def _verdict(v: dict, bound: dict | None) -> dict:
     kl = v.get("forgetting_kl") or {}
+    worse = [0, 0] if bound is None else list(worse_than_start(bound))  # the bound's replicates below the start
     return {"peer": v["best_peer"], "gain": v["verdict"], "gain_difference": v["mean_difference"],
-            "forgetting": kl.get("verdict"), "forgetting_difference": kl.get("mean_difference")}
+            "forgetting": kl.get("verdict"), "forgetting_difference": kl.get("mean_difference"),
+            "worse_than_start": worse}
 
 
 def finding_line(kind: str, advice: dict | None = None) -> str:
@@ -64,8 +69,10 @@ def finding_line(kind: str, advice: dict | None = None) -> str:
     parts = []
     for budget, v in sorted(entry["verdicts"].items(), key=lambda kv: float(kv[0])):
         forgets = "" if v["forgetting"] is None else f", forgets {v['forgetting']}"
+        worse, n = v.get("worse_than_start") or (0, 0)
+        fell = f" and fell below the untrained model in {worse} of {n} replicates at its tuned lr" if worse else ""
         parts.append(f"at {float(budget):.3%} it {v['gain']} against {v['peer']} on gain ({v['gain_difference']:+.3f})"
-                     f"{forgets}")
+                     f"{forgets}{fell}")
     task = ("the task discriminates" if entry["discriminates"] else
             f"the task does not discriminate (random at 0.01% recovers {entry['random_content_recovered']:.2f} of the "
             "content gain)") if entry.get("discriminates") is not None else "whether the task discriminates is unknown"
