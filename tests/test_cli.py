@@ -91,10 +91,15 @@ def test_select_and_lora_print_the_studys_lr_advice_for_the_runs_kind(demo_run, 
     monkeypatch.setattr(study_advice, "ADVICE_FILE", tmp_path / "none.json")
     out = tmp_path / "m.safetensors"
     assert main(["select", str(run), "--top", "0.001", "--out", str(out)]) == 0
-    assert f"no suggested lr: the outcome study has no {kind} result yet" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"no suggested lr: the outcome study has no {kind} result yet" in printed
+    assert f"Outcome study: no {kind} result yet" in printed  # and what it measured: nothing, said
     fit = {"intercept": 2.0, "slope": -0.9, "r": -0.9, "n": 20, "loo_error_factor": 2.5, "covered": 19}
     (tmp_path / "advice.json").write_text(json.dumps({kind: {"model": "m", "steps": 8, "optimizer": "adamw",
-                                                             "source": "s", "mask": fit, "lora_all_linear_r1": 0.01}}))
+                                                             "source": "s", "mask": fit, "lora_all_linear_r1": 0.01,
+                                                             "replicates": 6, "discriminates": True, "verdicts": {
+        "0.001": {"peer": "random", "gain": "ties", "gain_difference": 0.01, "forgetting": "more",
+                  "forgetting_difference": 2.0, "worse_than_start": [3, 6]}}}}))
     monkeypatch.setattr(study_advice, "ADVICE_FILE", tmp_path / "advice.json")
     assert main(["select", str(run), "--top", "0.001", "--out", str(out), "--overwrite"]) == 0
     printed = capsys.readouterr().out
@@ -102,6 +107,8 @@ def test_select_and_lora_print_the_studys_lr_advice_for_the_runs_kind(demo_run, 
     total = sum(float(grad[n].double()[m].abs().sum()) for n, m in masks.items())
     assert f"suggested AdamW lr for this mask: {math.exp(2.0 - 0.9 * math.log(total)):.2g} " in printed
     assert "covered the tuned lr for 19 of 20 masks" in printed
+    assert ("the bound's mask, against the best other mask rule, at 0.100% it ties against random on gain (+0.010), "
+            "forgets more and fell below the untrained model in 3 of 6 replicates") in printed
     save_file({n: torch.zeros_like(g) for n, g in grad.items()}, str(run / "grad_estimate.safetensors"))
     assert main(["select", str(run), "--top", "0.001", "--out", str(out), "--overwrite"]) == 0
     assert "no suggested lr: g_hat is zero over this mask" in capsys.readouterr().out

@@ -71,8 +71,16 @@ def run_select(args: argparse.Namespace) -> int:
         print(f"warning: {warning}")
     print(f"wrote {path} and {sidecar_path(path).name}")
     print(lr_line(run, maskset.masks, args.objective))
+    print(finding(run, args.objective))
     print(MASK_CAVEAT)
     return 0
+
+
+def finding(run, objective: str | None) -> str:
+    """What the outcome study measured for the run's kind: the bound's mask against the other rules, per budget."""
+    from fisher_select.report.study_advice import finding_line
+
+    return finding_line(run.objective(objective).type)
 
 
 def lr_line(run, masks: dict, objective: str | None) -> str:
