@@ -22,7 +22,7 @@ def _record(loo: float, lora_edge: bool = False):  # what advice_from_records re
     return SimpleNamespace(lr_advice={"abs_g_hat": fit, "sqrt_fs": {"slope": None}},
                            lr_choices={"lora_all_linear_r1": {"chosen": 0.01, "on_edge": lora_edge}},
                            settings={"model": "smollm2-135m-instruct", "steps": 8, "optimizer": "adamw"},
-                           discriminates={}, verdicts={})
+                           discriminates={}, verdicts={}, arms={})
 
 
 def test_a_fit_is_shipped_only_under_one_grid_step_and_a_lora_lr_only_off_its_edge():

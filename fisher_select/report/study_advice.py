@@ -47,8 +47,7 @@ def advice_from_records(records: dict) -> dict:
                      "mask": mask, "lora_all_linear_r1": None if not lora or lora["on_edge"] else lora["chosen"],
                      "discriminates": rec.discriminates.get("discriminates"),
                      "random_content_recovered": rec.discriminates.get("random_content_recovered"),
-                     "verdicts": {b: _verdict(v, getattr(rec, "arms", {}).get(f"bound@{b}")) for b, v in
-                                  rec.verdicts.items()}}
+                     "verdicts": {b: _verdict(v, rec.arms.get(f"bound@{b}")) for b, v in rec.verdicts.items()}}
     return out
 
 
@@ -69,7 +68,7 @@ def finding_line(kind: str, advice: dict | None = None) -> str:
     parts = []
     for budget, v in sorted(entry["verdicts"].items(), key=lambda kv: float(kv[0])):
         forgets = "" if v["forgetting"] is None else f", forgets {v['forgetting']}"
-        worse, n = v.get("worse_than_start") or (0, 0)
+        worse, n = v["worse_than_start"]
         fell = f" and fell below the untrained model in {worse} of {n} replicates at its tuned lr" if worse else ""
         parts.append(f"at {float(budget):.3%} it {v['gain']} against {v['peer']} on gain ({v['gain_difference']:+.3f})"
                      f"{forgets}{fell}")
