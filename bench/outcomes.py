@@ -88,7 +88,8 @@ def parse(argv=None) -> argparse.Namespace:
                                                       "and redraw RUN's report (it shows the study's tables)")
     v2.add_argument("--costs", action="store_true", help="print what the finished cells cost per stage (seconds), "
                     "train nothing")
-    v2.add_argument("--plan", action="store_true", help="print the protocol and its minimum cell count, train nothing")
+    v2.add_argument("--plan", action="store_true", help="print the protocol, its minimum cell count and what --cells "
+                    "still lacks (cells, calibrations, estimated hours), train nothing")
     v2.add_argument("--budget-minutes", type=float, help="stop before a cell would overrun this many minutes")
     v2.add_argument("--replicates", type=int, default=6)
     v2.add_argument("--arms", nargs="+", help="default: the core arms (fisher_select.studies.arms.CORE_ARMS); "
@@ -259,7 +260,10 @@ def main_v2(args) -> int:
 
         torch.set_num_threads(args.threads)
     if args.plan:
-        print(json.dumps({"protocol": protocol.as_dict(), "minimum_cells": protocol.minimum_cells()}))
+        from fisher_select.studies.plan import cells_left
+
+        print(json.dumps({"protocol": protocol.as_dict(), "minimum_cells": protocol.minimum_cells(),
+                          "left": cells_left(protocol, args.cells)}, indent=1))
         return 0
     if args.time_cell:
         return time_cell(args, protocol)
