@@ -121,14 +121,19 @@ def cell_costs(folder) -> dict[str, dict]:
     """Per stage, what the finished cells under ``folder`` cost (``--costs``): the count, the median and
     total training seconds, and the same for the whole cell where it was recorded (``cell_seconds``,
     since study code 2.1's cells of 2026-12-05; older cells hold only their training time)."""
+    return costs_of(read_cells(folder))
+
+
+def costs_of(cells: list[dict]) -> dict[str, dict]:
+    """``cell_costs`` of cells already read (``read_cells``)."""
     out = {}
     for stage in STAGES:
-        cells = [c["result"] for c in read_cells(folder) if c["key"]["stage"] == stage]
-        if not cells:
+        results = [c["result"] for c in cells if c["key"]["stage"] == stage]
+        if not results:
             continue
-        entry = {"cells": len(cells)}
+        entry = {"cells": len(results)}
         for field in ("training_seconds", "cell_seconds"):
-            known = sorted(c[field] for c in cells if c.get(field) is not None)
+            known = sorted(c[field] for c in results if c.get(field) is not None)
             if known:
                 entry[field] = {"n": len(known), "median": statistics.median(known), "total": sum(known)}
         out[stage] = entry

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fisher_select.studies.arms import arm_name
 from fisher_select.studies.cell_run import START
-from fisher_select.studies.cells import cell_costs, read_cells
+from fisher_select.studies.cells import costs_of, read_cells
 from fisher_select.studies.grid import choose_lr
 from fisher_select.studies.protocol import ProtocolV2
 from fisher_select.studies.study import PILOT
@@ -72,7 +72,7 @@ def cells_left(protocol: ProtocolV2, folder) -> dict:
         # a replicate is skipped unloaded only with its marker: without one it is calibrated again
         marked = (folder / "finished" / f"r{r}.json").is_file()
         calibrations += int(left > 0 or (r == PILOT and pilot > 0) or not marked)
-    costs = cell_costs(folder) if cells else {}
+    costs = costs_of(cells)  # the cells read above, not the folder again
     median = {s: costs[s]["cell_seconds"]["median"] for s in costs if "cell_seconds" in costs[s]}
     held_s = median.get("held_out", median.get("pilot"))
     hours = None if not median else (pilot * median.get("pilot", held_s) + held_left * held_s) / 3600
