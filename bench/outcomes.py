@@ -37,7 +37,11 @@ import sys
 import time
 from pathlib import Path
 
+from fisher_select.cli import quiet_third_party_loggers
 from fisher_select.errors import FisherSelectError
+
+quiet_third_party_loggers()  # a script, so it may: before the imports below reach peft, which imports bitsandbytes
+
 from fisher_select.report.outcomes_section import outcome_table
 from fisher_select.studies.outcomes import (KINDS, METHODS, OutcomeConfig, check_kind, keep_in_run, outcome_study,
                                              write_outcomes)

@@ -41,9 +41,15 @@ def _command_in(argv: list[str]) -> str | None:
 _QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
 
 
-def main(argv: list[str] | None = None) -> int:
-    for name in _QUIET_LOGGERS:  # before the commands import peft, which imports bitsandbytes
+def quiet_third_party_loggers() -> None:
+    """Raise ``_QUIET_LOGGERS`` to ERROR. Entry points call it (the CLI, bench scripts), never an import:
+    a library does not reconfigure another's loggers."""
+    for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_third_party_loggers()  # before the commands import peft, which imports bitsandbytes
     args = build_parser(argv).parse_args(argv)
     args.command_line = ["fisher-select", *(sys.argv[1:] if argv is None else argv)]  # recorded in the run
     raise_on_sigterm()  # a cluster time limit stops the work like Ctrl-C: nothing half-written stays

@@ -117,6 +117,24 @@ def test_the_time_budget_stops_before_a_cell_would_overrun(tmp_path):
     assert done == {"validation": 1.0, "cell_seconds": roomy.seen[0]} and len(roomy.seen) == 1
 
 
+def test_the_time_budget_also_covers_loading_a_replicate(tmp_path):
+    clock = Clock(minutes=3, guess_s=60.0)
+    assert clock.fits(loading=True)  # no load seen yet: a 60 s cell fits in 3 minutes
+    clock.record_load(150.0)  # a calibration took 150 s: it and a 60 s cell do not fit
+    assert clock.fits() and not clock.fits(loading=True) and clock.stopped
+    protocol = ProtocolV2("sft", replicates=2, train_prompts=4, validation_prompts=2, heldout_prompts=2,
+                          budgets=(0.05,), arms=("bound", "full"), grid_cap=5, steps=1, prompts_per_step=2,
+                          samples_per_prompt=1, max_new_tokens=3, bootstrap=100)
+    loaded = []
+
+    def load(r):  # a load would calibrate (minutes): with no room for a cell after it, it must not start
+        loaded.append(r)
+        raise AssertionError("loaded a replicate no cell of which fits the budget")
+
+    out = run_study(protocol, tmp_path / "cells", load, budget_minutes=0.005)  # 0.3 s; a cell is guessed at 60 s
+    assert loaded == [] and not out["finished"] and out["stopped_by_budget"] and out["computed"] == 0
+
+
 # --- lr grids ------------------------------------------------------------------------------------------------
 
 

@@ -141,24 +141,31 @@ def costs_of(cells: list[dict]) -> dict[str, dict]:
 
 
 class Clock:
-    """``--budget-minutes``: a cell starts only if the slowest cell so far (or ``guess_s``) still fits."""
+    """``--budget-minutes``: a cell starts only if the slowest cell so far (or ``guess_s``) still fits, and a
+    replicate is loaded (its calibration: minutes) only if the slowest load so far and a cell fit."""
 
     def __init__(self, minutes: float | None, guess_s: float = 60.0):
         self.deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
         self.guess_s = guess_s
         self.seen: list[float] = []  # seconds of the cells computed in this session
+        self.loads: list[float] = []  # seconds of the replicates loaded in this session
         self.stopped = False
 
     @property
     def longest(self) -> float:
         return max(self.seen) if self.seen else self.guess_s
 
-    def fits(self) -> bool:
+    def fits(self, loading: bool = False) -> bool:
+        """Whether a cell (``loading``: a replicate's load, then a cell) ends before the deadline."""
         if self.deadline is None:
             return True
-        ok = time.monotonic() + self.longest <= self.deadline
+        need = self.longest + (max(self.loads, default=0.0) if loading else 0.0)
+        ok = time.monotonic() + need <= self.deadline
         self.stopped = self.stopped or not ok
         return ok
 
     def record(self, seconds: float) -> None:
         self.seen.append(seconds)
+
+    def record_load(self, seconds: float) -> None:
+        self.loads.append(seconds)

@@ -2,8 +2,9 @@
 
 ``run_study(protocol, folder, load_replicate, ...)`` loads one replicate at a time
 (``load_replicate(r) -> Replicate``: its own calibration run, model and draw), runs its cells
-through the cell cache under ``folder`` (a finished cell is skipped) and stops before a cell would
-overrun ``budget_minutes``. ``assemble.assemble(folder)`` builds the tables from the cells alone.
+through the cell cache under ``folder`` (a finished cell is skipped) and stops before a cell, or a
+replicate's load and a cell, would overrun ``budget_minutes``. ``assemble.assemble(folder)`` builds
+the tables from the cells alone.
 
 A replicate whose cells are all finished leaves a marker (``finished/r<r>.json``: the settings, the
 caller's ``identity``, its cell files and, for the pilot, the chosen lrs). A later session that finds
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from fisher_select.atomic import write_file
@@ -143,8 +145,13 @@ def run_study(protocol: ProtocolV2, folder, load_replicate, *, budget_minutes: f
     for r in replicates:  # the pilot (0) comes first: it chooses the lrs the others reuse
         if identity is not None and not pilot_only and study.restore(r, identity):
             continue
+        if not study.clock.fits(loading=True):  # a load may calibrate (minutes): it must not overrun either
+            done = False
+            break
         study.used = []
+        started = time.monotonic()
         cells = study._cells_of(load_replicate(r))
+        study.clock.record_load(time.monotonic() - started)
         done = (study.pilot(cells) if r == PILOT else True) and (pilot_only or study.held_out(cells))
         del cells  # one replicate's model in memory at a time
         if not done:
