@@ -108,7 +108,7 @@ def test_select_and_lora_print_the_studys_lr_advice_for_the_runs_kind(demo_run, 
     assert f"suggested AdamW lr for this mask: {math.exp(2.0 - 0.9 * math.log(total)):.2g} " in printed
     assert "covered the tuned lr for 19 of 20 masks" in printed
     assert ("the bound's mask, against the best other mask rule, at 0.100% it ties against random on gain (+0.010), "
-            "forgets more and fell below the untrained model in 3 of 6 replicates") in printed
+            "forgets more (KL per token +2) and fell below the untrained model in 3 of 6 replicates") in printed
     save_file({n: torch.zeros_like(g) for n, g in grad.items()}, str(run / "grad_estimate.safetensors"))
     assert main(["select", str(run), "--top", "0.001", "--out", str(out), "--overwrite"]) == 0
     assert "no suggested lr: g_hat is zero over this mask" in capsys.readouterr().out

@@ -541,6 +541,15 @@ def test_the_readme_block_says_plainly_when_no_protocol_2_result_exists(tmp_path
     assert readme_block(tmp_path / "missing").startswith("**No protocol-2 result exists yet.**")
 
 
+def test_the_readme_verdicts_keep_small_differences_visible():
+    from fisher_select.report.readme_outcomes import _difference
+
+    assert _difference({"mean_difference": -0.00684, "interval": [-0.00951, -0.00352]}) == "-0.0068 [-0.0095, -0.0035]"
+    assert _difference({"mean_difference": 0.0166, "interval": [0.0011, 0.0304]}) == "+0.017 [0.001, 0.030]"
+    assert _difference({"mean_difference": -7.136, "interval": [-10.19, -4.06]}) == "-7.14 [-10.19, -4.06]"
+    assert _difference({"mean_difference": 0.0, "interval": [0.0, 0.0]}) == "+0.00 [0.00, 0.00]"
+
+
 def test_the_readme_rewriter_replaces_only_the_marked_block(tmp_path):
     from fisher_select.report.readme_outcomes import BEGIN, END, rewrite_block
     from scripts.readme_outcomes import main as readme_main
@@ -729,6 +738,21 @@ def test_a_tiny_distillation_study_has_a_frozen_teacher_a_noise_floor_and_shares
     assert sums["sqrt_fs"] == pytest.approx(sums["sqrt_f"] * math.sqrt(2.0)) and sums["abs_g_hat"] is None
     lora = record.arms["lora_config@0.05"]["replicates"][0]
     assert lora["trainable"] > 0 and "bound@0.05 vs lora_config@0.05" in record.paired["recovered"]
+
+
+def test_finished_shares_count_full_fine_tunings_held_out_batches_and_its_first_batch_apart():
+    from fisher_select.studies.assemble import _shares
+
+    def cell(arm, stage, log):
+        return {"key": {"arm": arm, "stage": stage}, "result": {"log": [
+            {"rows": 32, "rows_with_signal": s, "finished": f} for s, f in log]}}
+
+    cells = [cell("full", "held_out", [(32, 30), (16, 0)]), cell("full", "held_out", [(24, 32), (32, 16)]),
+             cell("full", "pilot", [(0, 0)]), cell("bound", "held_out", [(0, 0)])]  # neither counts
+    shares = _shares(cells)
+    assert shares["signal_share"] == (32 + 16 + 24 + 32) / 128
+    assert shares["finished_share"] == (30 + 0 + 32 + 16) / 128  # every batch: the policy trains as it samples
+    assert shares["finished_share_first_step"] == (30 + 32) / 64  # the first batches: the untrained model's samples
 
 
 # --- speed work that is exact: the shared prompt prefix computed once ------------------------------------

@@ -68,11 +68,11 @@ def test_the_finding_line_states_each_budgets_verdict_on_gain_and_forgetting():
     line = finding_line("sft", advice_from_records({"sft": rec}))
     assert line.startswith("Outcome study (sft, smollm2-135m-instruct, 6 replicates, 8 AdamW steps;")
     assert ("at 0.001% it loses against random_tensor_counts on gain (-0.037); at 0.010% it ties against random on "
-            "gain (-0.007), forgets less") in line  # budgets in order; no forgetting verdict, none said
+            "gain (-0.007), forgets less (KL per token -12)") in line  # budgets in order; no forgetting verdict, none said
     assert "does not discriminate (random at 0.01% recovers 0.96 of the content gain)" in line
     assert "no rl result yet" in finding_line("rl", advice_from_records({"sft": rec}))
     rec.arms = {"bound@0.0001": {"replicates": {r: {"gain": g} for r, g in enumerate([0.1, -0.2, 0.05, -0.01])}}}
     line = finding_line("sft", advice_from_records({"sft": rec}))
-    assert ("at 0.010% it ties against random on gain (-0.007), forgets less and fell below the untrained model in "
+    assert ("at 0.010% it ties against random on gain (-0.007), forgets less (KL per token -12) and fell below the untrained model in "
             "2 of 4 replicates at its tuned lr") in line  # a collapse at the tuned lr is said, not averaged away
     assert "1e-05" in advice_from_records({"sft": rec})["sft"]["verdicts"] and "fell below" not in line.split(";")[0]

@@ -65,9 +65,10 @@ def verdict_lines(record: OutcomesRecord) -> list[str]:
                    f"{v['interval'][1]:.3f}], {v['n']} replicates)" + _forgetting_words(v))
     rows = record.training_rows
     if rows.get("signal_share") is not None:
-        finished = rows.get("finished_share")
+        finished, first = rows.get("finished_share"), rows.get("finished_share_first_step")
         out.append(f"- training rows with signal: {rows['signal_share']:.0%}"
-                   + ("" if finished is None else f"; responses finished: {finished:.0%}"))
+                   + ("" if finished is None else f"; responses finished: {finished:.0%}")
+                   + ("" if first is None else f" ({first:.0%} of the first batch, the untrained model's samples)"))
     edge = record.on_edge()
     out.append("- lr on a grid edge (*): " + (", ".join(edge) if edge else "none"))
     return out

@@ -10,6 +10,8 @@ verdict of the bound against the best peer at each budget. With no protocol 2 re
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -83,8 +85,7 @@ def kind_table(record: OutcomesRecord) -> list[str]:
     verdicts = []
     for b in budgets:
         v = record.verdicts.get(b)
-        verdicts.append("-" if v is None else f"**{v['verdict']}** vs {v['best_peer']} ({v['mean_difference']:+.2f} "
-                                              f"[{v['interval'][0]:.2f}, {v['interval'][1]:.2f}])")
+        verdicts.append("-" if v is None else f"**{v['verdict']}** vs {v['best_peer']} ({_difference(v)})")
     lines.append("| the bound vs the best peer | " + " | ".join(verdicts) + " | |")
     forgets = [_forgets(record.verdicts.get(b)) for b in budgets]
     if any(f != "-" for f in forgets):
@@ -96,7 +97,17 @@ def _forgets(verdict: dict | None) -> str:
     kl = (verdict or {}).get("forgetting_kl")
     if kl is None:
         return "-"
-    return f"**{kl['verdict']}** ({kl['mean_difference']:+.2f} [{kl['interval'][0]:.2f}, {kl['interval'][1]:.2f}])"
+    return f"**{kl['verdict']}** ({_difference(kl)})"
+
+
+def _difference(v: dict) -> str:
+    """'+m [lo, hi]' with two decimals, or two significant digits of the largest when all three are under 0.1
+    (distillation's KL differences are thousandths: two decimals would print them as 0.00)."""
+    values = (v["mean_difference"], *v["interval"])
+    top = max(abs(x) for x in values)
+    places = 2 if top >= 0.1 or top == 0 else 1 - math.floor(math.log10(top))
+    lo, hi = v["interval"]
+    return f"{values[0]:+.{places}f} [{lo:.{places}f}, {hi:.{places}f}]"
 
 
 def readme_block(results) -> str:

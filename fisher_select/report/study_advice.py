@@ -68,6 +68,8 @@ def finding_line(kind: str, advice: dict | None = None) -> str:
     parts = []
     for budget, v in sorted(entry["verdicts"].items(), key=lambda kv: float(kv[0])):
         forgets = "" if v["forgetting"] is None else f", forgets {v['forgetting']}"
+        if v["forgetting"] is not None and v.get("forgetting_difference") is not None:  # the size: "less" may be tiny
+            forgets += f" (KL per token {v['forgetting_difference']:+.2g})"
         worse, n = v["worse_than_start"]
         fell = f" and fell below the untrained model in {worse} of {n} replicates at its tuned lr" if worse else ""
         parts.append(f"at {float(budget):.3%} it {v['gain']} against {v['peer']} on gain ({v['gain_difference']:+.3f})"

@@ -36,7 +36,7 @@ class OutcomesRecord:
     paired: dict  # "recovered" / "forgetting" -> "bound@b vs peer" -> {mean_difference, interval, t_p, wilcoxon_p}
     lr_advice: dict
     verdicts: dict  # budget -> {best_peer, verdict: wins / ties / loses, mean_difference, interval, n}
-    training_rows: dict  # {signal_share, finished_share} over full fine-tuning's training batches
+    training_rows: dict  # {signal_share, finished_share, finished_share_first_step} over full fine-tuning's training batches
     protocol: int = OUTCOMES_PROTOCOL
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept when read
 

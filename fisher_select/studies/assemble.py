@@ -273,15 +273,22 @@ def _word(stats: dict, above: str, below: str, between: str) -> str:
 
 
 def _shares(cells: list[dict]) -> dict:
-    """Over full fine-tuning's held-out training runs: rows with a training signal, responses that finished."""
-    logs = [e for c in cells if c["key"]["arm"] == "full" and c["key"]["stage"] == "held_out"
-            for e in c["result"]["log"]]
+    """Over full fine-tuning's held-out training runs: rows with a training signal, responses that finished;
+    and responses that finished in each run's first batch, which the untrained model sampled (training can
+    teach a policy to run to the token limit, so the two differ)."""
+    runs = [c["result"]["log"] for c in cells if c["key"]["arm"] == "full" and c["key"]["stage"] == "held_out"]
+    return {**_row_shares([e for log in runs for e in log]),
+            "finished_share_first_step": _row_shares([log[0] for log in runs if log])["finished_share"],
+            "meaning": "rows with a nonzero training signal and sampled responses that ended before max_new_tokens, "
+                       "over full fine-tuning's training batches (finished: None for SFT, nothing sampled); "
+                       "finished_share_first_step: over each run's first batch only, the starting model's samples"}
+
+
+def _row_shares(logs: list[dict]) -> dict:
     rows = sum(e["rows"] for e in logs)
     finished = [e["finished"] for e in logs if e.get("finished") is not None]
     return {"signal_share": sum(e["rows_with_signal"] for e in logs) / rows if rows else None,
-            "finished_share": sum(finished) / rows if finished and rows else None,
-            "meaning": "rows with a nonzero training signal and sampled responses that ended before max_new_tokens, "
-                       "over full fine-tuning's training batches (finished: None for SFT, nothing sampled)"}
+            "finished_share": sum(finished) / rows if finished and rows else None}
 
 
 def _summary(reps: dict) -> dict:
