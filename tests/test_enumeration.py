@@ -210,3 +210,42 @@ def test_grpo_normalised_signal(exact):
     exact_gu = float(sum((g[n] * u[n]).sum() for n in u))
     mc_gu = float(sum((cal.grad_estimate[n].double() * u[n]).sum() for n in u))
     assert abs(mc_gu - exact_gu) < 5 * sd_est, (mc_gu, exact_gu, sd_est)
+
+
+def test_unfinished_reward_gives_a_cut_response_its_value_exactly(exact):
+    """``unfinished_reward: 0``: a response cut at max_new_tokens earns 0. The reward is still a function
+    of (x, y), so the exact g and S under it obey the bound on every coordinate, and calibrate()'s
+    estimates agree with them (S within 4 sd, g along a fixed direction within 5 sd) and not with the
+    plain reward's (the cut responses here earn rewards, so the two differ by more than the error)."""
+    ended = [[o.ended for o in enumerate_responses(exact["model"], p, {EOS}, MAX_NEW)] for p in PROMPTS]
+    per_prompt = [[(p, h, r if done else 0.0) for (p, h, r), done in zip(rows, flags)]
+                  for rows, flags in zip(exact["per_prompt"], ended)]
+    assert any(r > 0 and not done for rows, flags in zip(exact["per_prompt"], ended)
+               for (_, _, r), done in zip(rows, flags))  # the option changes something
+    names, k = exact["names"], 600
+    g, S_terms, var_terms, sd = {n: 0.0 for n in names}, [], [], 0.0
+    gen = torch.Generator().manual_seed(1)
+    u = {n: torch.randn(exact["F"][n].shape, generator=gen, dtype=torch.float64) for n in names}
+    proj = lambda h: float(sum((h[n] * u[n]).sum() for n in u))  # noqa: E731
+    for rows in per_prompt:
+        rbar = sum(p * r for p, _, r in rows)
+        m2 = sum(p * (r - rbar) ** 2 for p, _, r in rows)
+        m4 = sum(p * (r - rbar) ** 4 for p, _, r in rows)
+        S_terms.append(m2)
+        var_terms.append((m4 - (k - 3) / (k - 1) * m2**2) / k)
+        for n in names:
+            g[n] = g[n] + sum(p * (r - rbar) * h[n] for p, h, r in rows) / len(PROMPTS)
+        m = sum(p * (r - rbar) * proj(h) for p, h, r in rows)
+        sd += sum(p * ((r - rbar) * proj(h) - m) ** 2 for p, h, r in rows) / k * k / (k - 1)
+    S, sd_s, sd = sum(S_terms) / len(PROMPTS), math.sqrt(sum(var_terms)) / len(PROMPTS), math.sqrt(sd) / len(PROMPTS)
+    for n in names:
+        assert bool((g[n].abs() <= (exact["F"][n] * S).sqrt() * (1 + 1e-6) + 1e-12).all()), n
+    records = [PromptRecord(i, " ".join(map(str, p)), None, {}) for i, p in enumerate(PROMPTS)]
+    cal = calibrate(exact["model"], exact["tok"], records, RLObjective(reward, unfinished_reward=0.0),
+                    samples_per_prompt=k, max_new_tokens=MAX_NEW, seed=1, batch_size=k, progress=False)
+    assert abs(cal.signal_scale - S) < 4 * sd_s, (cal.signal_scale, S, sd_s)
+    exact_gu = float(sum((g[n] * u[n]).sum() for n in u))
+    plain_gu = float(sum((exact["g"][n] * u[n]).sum() for n in u))
+    mc_gu = float(sum((cal.grad_estimate[n].double() * u[n]).sum() for n in u))
+    assert abs(mc_gu - exact_gu) < 5 * sd, (mc_gu, exact_gu, sd)
+    assert abs(exact_gu - plain_gu) > 10 * sd or abs(S - exact["S"]) > 10 * sd_s, (exact_gu, plain_gu, S, exact["S"])

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -548,6 +549,21 @@ def test_the_readme_verdicts_keep_small_differences_visible():
     assert _difference({"mean_difference": 0.0166, "interval": [0.0011, 0.0304]}) == "+0.017 [0.001, 0.030]"
     assert _difference({"mean_difference": -7.136, "interval": [-10.19, -4.06]}) == "-7.14 [-10.19, -4.06]"
     assert _difference({"mean_difference": 0.0, "interval": [0.0, 0.0]}) == "+0.00 [0.00, 0.00]"
+
+
+def test_the_core_script_runs_shipped_recipes_into_folders_of_their_own():
+    import shlex
+    import subprocess
+
+    from fisher_select.recipe import recipes_dir
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "outcomes_core.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0  # it parses
+    calls = [shlex.split(line)[1:4] for line in script.read_text().splitlines() if line.startswith("run ")]
+    assert [kind for kind, _, _ in calls] == ["sft", "opd-pg", "rl"]
+    assert all((recipes_dir() / f"{recipe}.yaml").is_file() for _, recipe, _ in calls)
+    folders = [cells for _, _, cells in calls]
+    assert len(set(folders)) == len(folders) and "bench/results/cells/rl" not in folders  # old RL cells kept apart
 
 
 def test_the_readme_rewriter_replaces_only_the_marked_block(tmp_path):

@@ -17,7 +17,7 @@ from fisher_select.errors import FisherSelectError
 from fisher_select.models import EMBEDDED_DEFAULT
 from fisher_select.calibration.prompts import load_prompts
 
-MINE = sorted(p for pattern in ("sft-*.yaml", "opd-pg-*.yaml", "opd-full-*.yaml", "rl-arithmetic-graded.yaml")
+MINE = sorted(p for pattern in ("sft-*.yaml", "opd-pg-*.yaml", "opd-full-*.yaml", "rl-arithmetic-graded*.yaml")
               for p in recipes_dir().glob(pattern))
 
 
@@ -187,6 +187,18 @@ def test_every_problem_is_listed_in_one_error(tmp_path):
                    "sampling.top_k=5 is not plain sampling", "unknown key 'bogus'", "dtype: expected one of"):
         assert needle in message, needle
     assert message.count("invalid recipe") == 1
+
+
+def test_unfinished_reward_takes_a_finite_number_and_reaches_the_objective(tmp_path):
+    for bad in (".inf", "zero", "true"):  # the type check refuses a string or a bool; problems() a non-finite
+        message = _refused(tmp_path, GOOD.replace("type: rl,", f"type: rl, unfinished_reward: {bad},"))
+        assert "unfinished_reward: expected" in message and "objectives[0]" in message, (bad, message)
+        assert bad != ".inf" or "a finite number (e.g. 0) or no value" in message, (bad, message)
+    recipe = load_recipe(recipes_dir() / "rl-arithmetic-graded-ended.yaml")
+    (objective,) = build_objectives(recipe)
+    assert objective.unfinished_reward == 0.0 and objective.describe()["unfinished_reward"] == 0.0
+    plain = build_objectives(load_recipe(recipes_dir() / "rl-arithmetic-graded.yaml"))[0]
+    assert plain.unfinished_reward is None and "unfinished_reward" not in plain.describe()
 
 
 def test_allowed_keys_include_objective(tmp_path):

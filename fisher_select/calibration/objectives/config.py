@@ -9,6 +9,8 @@ formulas, data needs, caveats and sample needs (an ``About``). The objective cla
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,12 +82,19 @@ class RLConfig:
                                            '"timeout": seconds per call (default 60)'})
     normalize: str = field(default="none", metadata={
         "help": '"none" (a = r - rbar) or "grpo" (advantages divided by the group\'s reward std)'})
+    unfinished_reward: float | None = field(default=None, metadata={
+        "help": "the reward of a response cut at max_new_tokens, in place of the reward function's (e.g. 0: "
+                "a policy gains nothing by running to the limit); unset: a cut response is scored like any other. "
+                "A rollout file's rewards are used as given"})
     name: str | None = field(default=None, metadata={"help": NAME_HELP})
 
     def problems(self) -> list[str]:
         out = []
         if self.normalize not in ("none", "grpo"):
             out.append(f"normalize: expected 'none' or 'grpo', got {self.normalize!r}")
+        u = self.unfinished_reward
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u)):
+            out.append(f"unfinished_reward: expected a finite number (e.g. 0) or no value, got {u!r}")
         try:
             make_reward(self.reward)
         except FisherSelectError as exc:

@@ -21,18 +21,17 @@ class RLObjective(Objective):
 
     about = RL
 
-    def __init__(self, reward, normalize: str = "none", name: str | None = None, reward_spec: dict | None = None):
+    def __init__(self, reward, normalize: str = "none", name: str | None = None, reward_spec: dict | None = None,
+                 unfinished_reward: float | None = None):
         self.about = RL_GRPO if normalize == "grpo" else RL
         super().__init__(name)
         self.reward, self.normalize = reward, normalize
         self.reward_spec = reward_spec or {}
+        self.unfinished_reward = None if unfinished_reward is None else float(unfinished_reward)
 
     def signals(self, group: Group, ctx: Context) -> GroupSignal:
         given = given_values(group, "reward", self.name)  # a rollout file's rewards win over the reward function
-        rewards = torch.tensor(
-            given if given is not None else [evaluate_reward(self.reward, group.record, t) for t in group.texts],
-            dtype=torch.float64,
-        )
+        rewards = torch.tensor(given if given is not None else self._rewards(group), dtype=torch.float64)
         var = unbiased_variance(rewards)
         signal = leave_one_out(rewards)
         scale_term = var
@@ -42,9 +41,20 @@ class RLObjective(Objective):
             scale_term = 1.0 if std > 0 else 0.0
         return GroupSignal(signal, scale_term, rewards.tolist())
 
+    def _rewards(self, group: Group) -> list[float]:
+        """Each response's reward; a cut one (``ended`` False) gets ``unfinished_reward`` when it is set. The
+        reward is then still a function of (x, y), so the bound holds for it unchanged."""
+        ended = group.ended or [True] * len(group.texts)
+        return [evaluate_reward(self.reward, group.record, t) if done or self.unfinished_reward is None
+                else self.unfinished_reward for t, done in zip(group.texts, ended)]
+
     def describe(self) -> dict:
-        return {**super().describe(), "normalize": self.normalize, "reward": self.reward_spec}
+        out = {**super().describe(), "normalize": self.normalize, "reward": self.reward_spec}
+        if self.unfinished_reward is not None:
+            out["unfinished_reward"] = self.unfinished_reward
+        return out
 
 
 def build_rl(cfg: RLConfig, base_dir=None) -> RLObjective:
-    return RLObjective(make_reward(cfg.reward), cfg.normalize, cfg.name, reward_spec=cfg.reward)
+    return RLObjective(make_reward(cfg.reward), cfg.normalize, cfg.name, reward_spec=cfg.reward,
+                       unfinished_reward=cfg.unfinished_reward)
